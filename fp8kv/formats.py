@@ -1,0 +1,39 @@
+"""FP8 formats, dtype names and layouts: the vocabulary shared by every path.
+
+Dtypes are passed around by name (``"bfloat16"``, ``"float8_e4m3fn"`` ...), the spelling both
+``torch`` and ``jax``/``numpy`` use, so this module imports neither framework.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    name: str          # "e4m3" / "e5m2": the fp8_format= spelling
+    dtype: str         # the typed-cache dtype name
+    exp_bits: int
+    man_bits: int
+    max_value: float   # largest finite value; writes saturate to it
+    max_code: int      # its byte (positive)
+    nan_code: int      # the byte every NaN is written as (cvt.rn.satfinite's, pinned by a GPU test)
+
+    @property
+    def bias(self) -> int:
+        return (1 << (self.exp_bits - 1)) - 1
+
+
+E4M3 = Fp8Format("e4m3", "float8_e4m3fn", 4, 3, 448.0, 0x7E, 0x7F)
+E5M2 = Fp8Format("e5m2", "float8_e5m2", 5, 2, 57344.0, 0x7B, 0x7F)
+FORMATS = {f.name: f for f in (E4M3, E5M2)}
+FORMAT_OF_DTYPE = {f.dtype: f for f in (E4M3, E5M2)}
+
+INPUT_DTYPES = ("bfloat16", "float16", "float32")
+OUTPUT_DTYPES = INPUT_DTYPES
+CACHE_DTYPES = ("float8_e4m3fn", "float8_e5m2", "uint8")
+SLOT_DTYPES = ("int32", "int64")
+LAYOUTS = ("NHD", "HND")
+
+# Dequantized NaNs are written as one canonical quiet NaN per output dtype, so that the GPU
+# (whose multiply returns 0x7FFFFFFF), the interpreter and XLA all give the same bits.
+CANONICAL_NAN_BITS = {"bfloat16": 0x7FC0, "float16": 0x7E00, "float32": 0x7FC00000}

@@ -1,0 +1,40 @@
+"""Every Triton function here exists twice: compiled (CUDA tensors) and interpreted (CPU tensors).
+
+``triton.jit`` picks one of the two once, from ``TRITON_INTERPRET`` at import time. fp8kv serves CUDA
+and CPU tensors in the same process, so :func:`jit` always builds the compiled ``JITFunction`` and
+:func:`interpreted` derives, on first use, an ``InterpretedFunction`` whose globals point at the
+interpreted versions of the helpers it calls.
+"""
+from __future__ import annotations
+
+import types
+
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+_INTERPRETED: dict[int, InterpretedFunction] = {}
+
+
+def jit(fn):
+    """Decorator: a compiled Triton function, whatever ``TRITON_INTERPRET`` says."""
+    return JITFunction(fn)
+
+
+def interpreted(jit_fn: JITFunction) -> InterpretedFunction:
+    """The interpreter twin of a function made by :func:`jit` (memoized)."""
+    twin = _INTERPRETED.get(id(jit_fn))
+    if twin is None:
+        fn = jit_fn.fn
+        scope = dict(fn.__globals__)
+        clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        twin = InterpretedFunction(clone)
+        _INTERPRETED[id(jit_fn)] = twin
+        # Rebind helpers after registering, so mutually-referencing helpers terminate.
+        for name, value in list(scope.items()):
+            if isinstance(value, JITFunction):
+                scope[name] = interpreted(value)
+    return twin
+
+
+def kernel_for(jit_fn: JITFunction, interpret: bool):
+    return interpreted(jit_fn) if interpret else jit_fn

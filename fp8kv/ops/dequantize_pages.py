@@ -1,0 +1,144 @@
+"""Dequantize the FP8 pages a block table names into a compact paged cache (bf16/fp16/fp32).
+
+Grid: ``(batch * pages_per_seq, cdiv(page_elems, BLOCK))``. Program ``(i, c)`` reads chunk ``c`` of
+page ``block_table.flat[i]`` from the K and V caches and writes it to output page ``i``; entries
+that are padding (< 0, == null_page, or past the cache) get zeros, so every output element is
+written. The chunk-0 program of entry ``i`` also writes ``new_block_table.flat[i] = i``. The numpy
+twin is :func:`fp8kv.reference.dequantize_pages`; :mod:`fp8kv.plan` picks the constexprs.
+
+Parameter order follows jax-triton (arrays, scalars, outputs) as in ``write_kv``. A combined
+``[num_pages, 2, ...]`` input is passed as both cache operands plus ``value_in_offset``; a combined
+output needs its own wrapper (one output operand), ``_dequantize_pages_combined_kernel``.
+"""
+import triton.language as tl
+
+from ._dual import jit
+from .fp8_math import fp8_code_to_fp32, fp32_to_output_bits, load_scale
+
+
+@jit
+def _page_offsets(j, stride_slot, stride_head, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, HND: tl.constexpr, PACKED: tl.constexpr):
+    """Element offsets within a page for flat layout-order indices ``j``."""
+    if PACKED:
+        off = j
+    else:
+        d = j % HEAD_DIM
+        if HND:
+            h = j // (PAGE_SIZE * HEAD_DIM)
+            s = (j // HEAD_DIM) % PAGE_SIZE
+        else:
+            s = j // (NUM_HEADS * HEAD_DIM)
+            h = (j // HEAD_DIM) % NUM_HEADS
+        off = s.to(tl.int64) * stride_slot + h.to(tl.int64) * stride_head + d
+    return off
+
+
+@jit
+def _dequantize_body(
+    key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
+    num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
+    stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
+    stride_ko_page, stride_ko_slot, stride_ko_head, stride_vo_page, stride_vo_slot, stride_vo_head,
+    key_scale_value, value_scale_value,
+    key_out_ptr, value_out_ptr, new_table_ptr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HND: tl.constexpr,
+    BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
+    E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
+    IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr,
+):
+    entry = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    b = entry // pages_per_seq
+    page = tl.load(table_ptr + b * stride_bt_b + (entry - b * pages_per_seq) * stride_bt_p).to(tl.int64)
+    valid = (page >= 0) & (page < num_pages)
+    if HAS_NULL_PAGE:
+        valid = valid & (page != null_page)
+    page = tl.where(valid, page, 0)
+
+    PAGE_ELEMS: tl.constexpr = PAGE_SIZE * NUM_HEADS * HEAD_DIM
+    j = chunk * BLOCK + tl.arange(0, BLOCK)
+    in_page = j < PAGE_ELEMS
+    load_mask = in_page & valid
+    kc_off = page * stride_kc_page + _page_offsets(j, stride_kc_slot, stride_kc_head, NUM_HEADS,
+                                                   HEAD_DIM, PAGE_SIZE, HND, IN_PACKED)
+    vc_off = page * stride_vc_page + _page_offsets(j, stride_vc_slot, stride_vc_head, NUM_HEADS,
+                                                   HEAD_DIM, PAGE_SIZE, HND, IN_PACKED)
+    key_codes = tl.load(key_cache_ptr.to(tl.pointer_type(tl.uint8)) + kc_off, mask=load_mask, other=0)
+    value_codes = tl.load(value_cache_ptr.to(tl.pointer_type(tl.uint8)) + value_in_offset + vc_off,
+                          mask=load_mask, other=0)
+
+    if HND:
+        head = j // (PAGE_SIZE * HEAD_DIM)
+    else:
+        head = (j // HEAD_DIM) % NUM_HEADS
+    k = fp8_code_to_fp32(key_codes.to(tl.int32), E5M2, EXACT)
+    v = fp8_code_to_fp32(value_codes.to(tl.int32), E5M2, EXACT)
+    if K_SCALE_MODE != 0:
+        k = k * load_scale(key_scale_ptr, key_scale_value, head, in_page, K_SCALE_MODE)
+    if V_SCALE_MODE != 0:
+        v = v * load_scale(value_scale_ptr, value_scale_value, head, in_page, V_SCALE_MODE)
+    # Padding pages are zeros (not 0 * scale, which is NaN for an inf scale).
+    k_bits = tl.where(valid, fp32_to_output_bits(k, OUT_KIND, EXACT), 0)
+    v_bits = tl.where(valid, fp32_to_output_bits(v, OUT_KIND, EXACT), 0)
+
+    ko_off = entry * stride_ko_page + _page_offsets(j, stride_ko_slot, stride_ko_head, NUM_HEADS,
+                                                    HEAD_DIM, PAGE_SIZE, HND, OUT_PACKED)
+    vo_off = entry * stride_vo_page + _page_offsets(j, stride_vo_slot, stride_vo_head, NUM_HEADS,
+                                                    HEAD_DIM, PAGE_SIZE, HND, OUT_PACKED)
+    if OUT_KIND == 2:
+        bits_ty: tl.constexpr = tl.uint32
+    else:
+        bits_ty: tl.constexpr = tl.uint16
+    tl.store(key_out_ptr.to(tl.pointer_type(bits_ty)) + ko_off, k_bits.to(bits_ty), mask=in_page)
+    tl.store(value_out_ptr.to(tl.pointer_type(bits_ty)) + vo_off, v_bits.to(bits_ty), mask=in_page)
+    if chunk == 0:
+        tl.store(new_table_ptr + entry, entry.to(tl.int32))
+
+
+@jit
+def _dequantize_pages_kernel(
+    key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
+    num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
+    stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
+    stride_ko_page, stride_ko_slot, stride_ko_head, stride_vo_page, stride_vo_slot, stride_vo_head,
+    key_scale_value, value_scale_value,
+    key_out_ptr, value_out_ptr, new_table_ptr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HND: tl.constexpr,
+    BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
+    E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
+    IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr,
+):
+    """Separate K and V outputs."""
+    _dequantize_body(
+        key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
+        num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
+        stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
+        stride_ko_page, stride_ko_slot, stride_ko_head, stride_vo_page, stride_vo_slot, stride_vo_head,
+        key_scale_value, value_scale_value, key_out_ptr, value_out_ptr, new_table_ptr,
+        NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, BLOCK, K_SCALE_MODE, V_SCALE_MODE, E5M2, OUT_KIND, EXACT,
+        HAS_NULL_PAGE, IN_PACKED, OUT_PACKED)
+
+
+@jit
+def _dequantize_pages_combined_kernel(
+    key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
+    num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
+    stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
+    stride_ko_page, stride_ko_slot, stride_ko_head, value_out_offset,
+    key_scale_value, value_scale_value,
+    kv_out_ptr, new_table_ptr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HND: tl.constexpr,
+    BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
+    E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
+    IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr,
+):
+    """One ``[N, 2, ...]`` output (FlashInfer's TRT-LLM layout): V lives ``value_out_offset`` after K."""
+    _dequantize_body(
+        key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
+        num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
+        stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
+        stride_ko_page, stride_ko_slot, stride_ko_head, stride_ko_page, stride_ko_slot, stride_ko_head,
+        key_scale_value, value_scale_value, kv_out_ptr, kv_out_ptr + value_out_offset, new_table_ptr,
+        NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, BLOCK, K_SCALE_MODE, V_SCALE_MODE, E5M2, OUT_KIND, EXACT,
+        HAS_NULL_PAGE, IN_PACKED, OUT_PACKED)

@@ -1,0 +1,145 @@
+"""Triton device helpers shared by the kernels: fp32 <-> fp8 codes and output rounding.
+
+Each conversion has two implementations selected by the ``EXACT`` constexpr:
+
+* fast  -- the hardware conversions (``cvt.rn.satfinite`` to fp8, ``cvt.rn`` to bf16/fp16);
+* exact -- integer arithmetic on the IEEE bit patterns. Triton's CPU interpreter rounds fp32->fp8
+  and fp32->bf16 wrongly (SPEC.md), so the interpreter runs this path; the GPU suite proves both
+  paths give the same bytes on every bf16/fp16 pattern.
+
+Codes travel as int32 holding 0..255 (fp8) or as the output's unsigned bit pattern.
+"""
+import triton.language as tl
+
+from ._dual import jit
+
+SCALE_NONE: tl.constexpr = tl.constexpr(0)    # no scale: y = x (x / 1 is exact)
+SCALE_VALUE: tl.constexpr = tl.constexpr(1)   # a host float passed as an fp32 scalar
+SCALE_TENSOR: tl.constexpr = tl.constexpr(2)  # a device fp32 scalar ([] or [1])
+SCALE_HEAD: tl.constexpr = tl.constexpr(3)    # a device fp32 vector, one per kv head
+_INF: tl.constexpr = tl.constexpr(float("inf"))
+_NAN: tl.constexpr = tl.constexpr(float("nan"))
+
+
+@jit
+def load_scale(scale_ptr, scale_value, head, head_mask, MODE: tl.constexpr):
+    """The scale to apply: a scalar, or a per-element vector gathered by ``head``."""
+    if MODE == SCALE_VALUE:
+        s = scale_value
+    elif MODE == SCALE_TENSOR:
+        s = tl.load(scale_ptr)
+    else:
+        s = tl.load(scale_ptr + head, mask=head_mask, other=1.0)
+    return s
+
+
+@jit
+def load_as_fp32(ptr, offsets, mask, EXACT: tl.constexpr):
+    """Load bf16/fp16/fp32 values as fp32; bf16 goes through its bits when EXACT."""
+    if EXACT and ptr.dtype.element_ty == tl.bfloat16:
+        bits = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offsets, mask=mask, other=0)
+        x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(ptr + offsets, mask=mask, other=0).to(tl.float32)
+    return x
+
+
+@jit
+def fp32_to_fp8_code(y, E5M2: tl.constexpr, EXACT: tl.constexpr):
+    """fp8 byte (int32 0..255) of fp32 ``y``: RNE, saturating, NaN -> 0x7F."""
+    if E5M2:
+        MAN_BITS: tl.constexpr = 2
+        BIAS: tl.constexpr = 15
+        MAX_CODE: tl.constexpr = 0x7B
+        MAX_VALUE: tl.constexpr = 57344.0
+    else:
+        MAN_BITS: tl.constexpr = 3
+        BIAS: tl.constexpr = 7
+        MAX_CODE: tl.constexpr = 0x7E
+        MAX_VALUE: tl.constexpr = 448.0
+    if EXACT:
+        u = y.to(tl.int32, bitcast=True)
+        a = u & 0x7FFFFFFF
+        sign = (u >> 24) & 0x80
+        exp = a >> 23
+        # Normal fp8 range: keep MAN_BITS of the mantissa, round half to even on the dropped bits;
+        # a carry out of the mantissa correctly bumps the exponent.
+        SHIFT: tl.constexpr = 23 - MAN_BITS
+        rounded = a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)
+        normal = (rounded >> SHIFT) - ((127 - BIAS) << MAN_BITS)
+        # Subnormal fp8 range: the code is the significand shifted down, rounded half to even.
+        mant = (a & 0x7FFFFF) | tl.where(exp > 0, 0x800000, 0)
+        shift = tl.minimum((151 - BIAS - MAN_BITS) - tl.maximum(exp, 1), 30)
+        quot = mant >> shift
+        rem = mant & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        round_up = (rem > half) | ((rem == half) & ((quot & 1) == 1))
+        sub = quot + round_up.to(tl.int32)
+        code = tl.where(a >= ((128 - BIAS) << 23), normal, sub)
+        code = tl.minimum(code, MAX_CODE)  # saturate (covers inf)
+        code = tl.where(a > 0x7F800000, 0x7F, code | sign)
+    else:
+        # cvt.rn.satfinite already saturates e4m3; the explicit NaN-keeping clamp makes e5m2 (and
+        # any compiler that lowers without satfinite) saturate too.
+        y = tl.clamp(y, -MAX_VALUE, MAX_VALUE, propagate_nan=tl.PropagateNan.ALL)
+        if E5M2:
+            code = y.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    return code
+
+
+@jit
+def fp8_code_to_fp32(code, E5M2: tl.constexpr, EXACT: tl.constexpr):
+    """fp32 value of an fp8 byte (int32 0..255); NaN codes give a NaN, e5m2 inf gives inf."""
+    if E5M2:
+        MAN_BITS: tl.constexpr = 2
+        BIAS: tl.constexpr = 15
+        SUBNORMAL_UNIT: tl.constexpr = 2.0 ** -16
+    else:
+        MAN_BITS: tl.constexpr = 3
+        BIAS: tl.constexpr = 7
+        SUBNORMAL_UNIT: tl.constexpr = 2.0 ** -9
+    if EXACT:
+        mag = code & 0x7F
+        exp = mag >> MAN_BITS
+        man = mag & ((1 << MAN_BITS) - 1)
+        normal = (((exp + (127 - BIAS)) << 23) | (man << (23 - MAN_BITS))).to(tl.float32, bitcast=True)
+        value = tl.where(exp == 0, man.to(tl.float32) * SUBNORMAL_UNIT, normal)
+        if E5M2:
+            value = tl.where(mag == 0x7C, _INF, value)
+            value = tl.where(mag > 0x7C, _NAN, value)
+        else:
+            value = tl.where(mag == 0x7F, _NAN, value)
+        # Set the sign with bits: Triton lowers -x as 0 - x, which loses -0.
+        sign = (code & 0x80) << 24
+        value = (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    else:
+        if E5M2:
+            value = code.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+        else:
+            value = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return value
+
+
+@jit
+def fp32_to_output_bits(v, OUT_KIND: tl.constexpr, EXACT: tl.constexpr):
+    """Bits of ``v`` rounded (RNE) to the output dtype; NaN -> the canonical NaN.
+
+    OUT_KIND: 0 = bfloat16, 1 = float16 (int32 holding 16 bits), 2 = float32 (int32 bits).
+    """
+    is_nan = v != v
+    if OUT_KIND == 0:
+        if EXACT:
+            u = v.to(tl.int32, bitcast=True)
+            a = u & 0x7FFFFFFF
+            bits = ((a + 0x7FFF + ((a >> 16) & 1)) >> 16) | ((u >> 16) & 0x8000)
+        else:
+            bits = v.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+        bits = tl.where(is_nan, 0x7FC0, bits)
+    elif OUT_KIND == 1:
+        bits = v.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+        bits = tl.where(is_nan, 0x7E00, bits)
+    else:
+        bits = tl.where(is_nan, 0x7FC00000, v.to(tl.int32, bitcast=True))
+    return bits

@@ -1,0 +1,276 @@
+"""Argument checks shared by both frontends, raised before anything is launched or written.
+
+Errors name the argument, what was expected and what was given: ``TypeError`` for a wrong kind or
+dtype, ``ValueError`` for a wrong value, shape, layout or device.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+
+from .arrays import ArrayInfo, fmt_shape
+from .formats import (CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, INPUT_DTYPES, LAYOUTS, OUTPUT_DTYPES,
+                      SLOT_DTYPES, Fp8Format)
+
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    """A K or V cache seen as pages: ``[num_pages, page_size, num_heads, head_dim]`` + strides."""
+
+    num_pages: int
+    page_size: int
+    num_heads: int
+    head_dim: int
+    stride_page: int
+    stride_slot: int
+    stride_head: int
+
+    @property
+    def packed_rows(self) -> bool:
+        """A token's ``num_heads * head_dim`` row is contiguous."""
+        return self.stride_head == self.head_dim or self.num_heads == 1
+
+    def packed_pages(self, layout: str) -> bool:
+        """A page's ``page_size * num_heads * head_dim`` elements are contiguous, in layout order."""
+        return page_is_packed(layout, self.page_size, self.num_heads, self.head_dim,
+                              self.stride_slot, self.stride_head)
+
+
+def page_is_packed(layout, page_size, num_heads, head_dim, stride_slot, stride_head) -> bool:
+    rows_packed = stride_head == head_dim or num_heads == 1
+    if page_size == 1:
+        return rows_packed
+    if layout == "NHD":
+        return rows_packed and stride_slot == num_heads * head_dim
+    return stride_slot == head_dim and (num_heads == 1 or stride_head == page_size * head_dim)
+
+
+def check_layout(layout) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected 'NHD' or 'HND', got {layout!r}")
+    return layout
+
+
+def check_format(cache: ArrayInfo, fp8_format, name: str) -> Fp8Format:
+    if fp8_format is not None and fp8_format not in FORMATS:
+        raise ValueError(f"fp8_format: expected 'e4m3', 'e5m2' or None, got {fp8_format!r}")
+    if cache.dtype in FORMAT_OF_DTYPE:
+        fmt = FORMAT_OF_DTYPE[cache.dtype]
+        if fp8_format is not None and fp8_format != fmt.name:
+            raise ValueError(f"fp8_format: {name} is {cache.dtype}, which is {fmt.name!r}, "
+                             f"got fp8_format={fp8_format!r}")
+        return fmt
+    return FORMATS[fp8_format or "e4m3"]
+
+
+def check_dtype(info: ArrayInfo, name: str, allowed) -> None:
+    if info.dtype not in allowed:
+        raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {info.dtype}")
+
+
+def check_unit_last_stride(info: ArrayInfo, name: str) -> None:
+    if info.ndim and info.shape[-1] > 1 and info.strides[-1] != 1:
+        raise ValueError(f"{name}: expected a unit-stride last dimension, got strides "
+                         f"{fmt_shape(info.strides)}")
+
+
+def check_same_device(named: dict) -> str:
+    devices = {name: a.device for name, a in named.items() if isinstance(a, ArrayInfo)}
+    first_name, first = next(iter(devices.items()))
+    for name, device in devices.items():
+        if device != first:
+            raise ValueError(f"{name}: expected device {first} (that of {first_name}), got {device}")
+    return first
+
+
+def paged_view(cache: ArrayInfo, layout: str, name: str, combined: bool = False) -> PagedCache:
+    """Check a cache's dtype/rank/strides and return it as pages (``combined``: its K half)."""
+    check_dtype(cache, name, CACHE_DTYPES)
+    check_unit_last_stride(cache, name)
+    expected = {3: "[num_slots, num_kv_heads, head_dim]",
+                4: f"[num_pages, {'page_size, num_kv_heads' if layout == 'NHD' else 'num_kv_heads, page_size'}, head_dim]"}
+    if combined:
+        if cache.ndim not in (4, 5) or cache.shape[1] != 2:
+            raise ValueError(f"{name}: expected a combined cache [num_pages, 2, ...] of rank 4 or 5 "
+                             f"(layout={layout!r}), got shape {fmt_shape(cache.shape)}")
+        cache = cache.drop_dim(1)
+    if cache.ndim not in (3, 4):
+        raise ValueError(f"{name}: expected rank 3 {expected[3]} or rank 4 {expected[4]}, got shape "
+                         f"{fmt_shape(cache.shape)}")
+    if any(s < 0 for s in cache.strides):
+        raise ValueError(f"{name}: expected non-negative strides, got {fmt_shape(cache.strides)}")
+    if cache.ndim == 3:
+        n, h, d = cache.shape
+        return PagedCache(n, 1, h, d, cache.strides[0], 0, cache.strides[1])
+    if layout == "NHD":
+        p, s, h, d = cache.shape
+        return PagedCache(p, s, h, d, cache.strides[0], cache.strides[1], cache.strides[2])
+    p, h, s, d = cache.shape
+    return PagedCache(p, s, h, d, cache.strides[0], cache.strides[2], cache.strides[1])
+
+
+def check_cache_pair(key_cache: ArrayInfo, value_cache: ArrayInfo, layout: str):
+    k = paged_view(key_cache, layout, "key_cache")
+    v = paged_view(value_cache, layout, "value_cache")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache: expected the shape of key_cache {fmt_shape(key_cache.shape)}, "
+                         f"got {fmt_shape(value_cache.shape)}")
+    if value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got "
+                        f"{value_cache.dtype}")
+    return k, v
+
+
+def check_scale(scale, name: str, num_heads: int, device: str):
+    """Return the scale mode (0 none, 1 host float, 2 device scalar, 3 per head) and host value."""
+    if scale is None:
+        return 0, 1.0
+    if isinstance(scale, ArrayInfo):
+        if scale.dtype != "float32":
+            raise TypeError(f"{name}: expected dtype float32, got {scale.dtype}")
+        if scale.shape not in ((), (1,), (num_heads,)):
+            raise ValueError(f"{name}: expected shape [], [1] or [{num_heads}] (num_kv_heads), got "
+                             f"{fmt_shape(scale.shape)}")
+        if scale.device != device:
+            raise ValueError(f"{name}: expected device {device} (that of the cache), got {scale.device}")
+        if scale.shape == (num_heads,) and num_heads > 1:
+            return 3, 1.0
+        return 2, 1.0
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise TypeError(f"{name}: expected None, a float or a float32 array, got {type(scale).__name__}")
+    value = float(scale)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: expected a finite scale > 0, got {value}")
+    if value == 1.0:  # x / 1 == x exactly: skip the division
+        return 0, 1.0
+    return 1, value
+
+
+@dataclass(frozen=True)
+class WriteArgs:
+    num_tokens: int
+    key: ArrayInfo
+    value: ArrayInfo
+    key_cache: PagedCache
+    value_cache: PagedCache
+    fmt: Fp8Format
+    key_scale_mode: int
+    key_scale_value: float
+    value_scale_mode: int
+    value_scale_value: float
+    value_offset: int  # combined cache: elements from a K element to its V twin
+
+
+def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scale, *, layout,
+                fp8_format, kv_cache=None) -> WriteArgs:
+    """Validate ``write_kv`` (or, with ``kv_cache``, ``write_kv_combined``) arguments."""
+    layout = check_layout(layout)
+    caches = {"kv_cache": kv_cache} if kv_cache is not None else {"key_cache": key_cache,
+                                                                  "value_cache": value_cache}
+    device = check_same_device({"key": key, "value": value, **caches, "slots": slots})
+    for name, x in (("key", key), ("value", value)):
+        check_dtype(x, name, INPUT_DTYPES)
+        if x.ndim != 3:
+            raise ValueError(f"{name}: expected rank 3 [num_tokens, num_kv_heads, head_dim], got shape "
+                             f"{fmt_shape(x.shape)}")
+        check_unit_last_stride(x, name)
+    if value.shape != key.shape:
+        raise ValueError(f"value: expected the shape of key {fmt_shape(key.shape)}, got "
+                         f"{fmt_shape(value.shape)}")
+    if value.dtype != key.dtype:
+        raise TypeError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
+    if kv_cache is not None:
+        kc = vc = paged_view(kv_cache, layout, "kv_cache", combined=True)
+        fmt = check_format(kv_cache, fp8_format, "kv_cache")
+        value_offset = kv_cache.strides[1]
+    else:
+        kc, vc = check_cache_pair(key_cache, value_cache, layout)
+        fmt = check_format(key_cache, fp8_format, "key_cache")
+        value_offset = 0
+    cache_name = "kv_cache" if kv_cache is not None else "key_cache"
+    num_tokens, num_heads, head_dim = key.shape
+    if (kc.num_heads, kc.head_dim) != (num_heads, head_dim):
+        raise ValueError(f"{cache_name}: expected num_kv_heads={num_heads} and head_dim={head_dim} "
+                         f"(those of key), got num_kv_heads={kc.num_heads} and head_dim={kc.head_dim}")
+    check_dtype(slots, "slots", SLOT_DTYPES)
+    if slots.shape != (num_tokens,):
+        raise ValueError(f"slots: expected shape [{num_tokens}] (one per token), got "
+                         f"{fmt_shape(slots.shape)}")
+    ks_mode, ks_value = check_scale(key_scale, "key_scale", num_heads, device)
+    vs_mode, vs_value = check_scale(value_scale, "value_scale", num_heads, device)
+    return WriteArgs(num_tokens, key, value, kc, vc, fmt, ks_mode, ks_value, vs_mode, vs_value,
+                     value_offset)
+
+
+@dataclass(frozen=True)
+class DequantArgs:
+    batch: int
+    pages_per_seq: int
+    block_table: ArrayInfo
+    key_cache: PagedCache
+    value_cache: PagedCache
+    value_in_offset: int
+    fmt: Fp8Format
+    out_dtype: str
+    layout: str
+    cache_rank: int
+    null_page: int | None
+    key_scale_mode: int
+    key_scale_value: float
+    value_scale_mode: int
+    value_scale_value: float
+
+
+def check_dequantize(key_cache, value_cache, block_table, key_scale, value_scale, *, dtype, layout,
+                     fp8_format, null_page, kv_cache=None) -> DequantArgs:
+    layout = check_layout(layout)
+    caches = {"kv_cache": kv_cache} if kv_cache is not None else {"key_cache": key_cache,
+                                                                  "value_cache": value_cache}
+    device = check_same_device({**caches, "block_table": block_table})
+    if kv_cache is not None:
+        kc = vc = paged_view(kv_cache, layout, "kv_cache", combined=True)
+        fmt = check_format(kv_cache, fp8_format, "kv_cache")
+        value_in_offset, rank = kv_cache.strides[1], kv_cache.ndim - 1
+    else:
+        kc, vc = check_cache_pair(key_cache, value_cache, layout)
+        fmt = check_format(key_cache, fp8_format, "key_cache")
+        value_in_offset, rank = 0, key_cache.ndim
+    if dtype not in OUTPUT_DTYPES:
+        raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
+    check_dtype(block_table, "block_table", ("int32", "int64"))
+    if block_table.ndim != 2:
+        raise ValueError(f"block_table: expected rank 2 [batch, pages_per_seq], got shape "
+                         f"{fmt_shape(block_table.shape)}")
+    if null_page is not None and (isinstance(null_page, bool) or not isinstance(null_page, int)):
+        raise TypeError(f"null_page: expected None or an int, got {type(null_page).__name__}")
+    ks_mode, ks_value = check_scale(key_scale, "key_scale", kc.num_heads, device)
+    vs_mode, vs_value = check_scale(value_scale, "value_scale", kc.num_heads, device)
+    batch, pages_per_seq = block_table.shape
+    return DequantArgs(batch, pages_per_seq, block_table, kc, vc, value_in_offset, fmt, dtype, layout,
+                       rank, null_page, ks_mode, ks_value, vs_mode, vs_value)
+
+
+def dequantized_shape(args: DequantArgs, combined: bool) -> tuple[int, ...]:
+    """Shape of ``key_pages`` (or of the combined output)."""
+    c = args.key_cache
+    n = args.batch * args.pages_per_seq
+    if args.cache_rank == 3:
+        page = (c.num_heads, c.head_dim)
+    elif args.layout == "NHD":
+        page = (c.page_size, c.num_heads, c.head_dim)
+    else:
+        page = (c.num_heads, c.page_size, c.head_dim)
+    return (n, 2) + page if combined else (n,) + page
+
+
+def check_out(out: ArrayInfo, name: str, shape, dtype: str, device: str) -> None:
+    """A caller-provided output: exact shape and dtype, same device, unit last stride."""
+    if out.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {out.dtype}")
+    if out.shape != tuple(shape):
+        raise ValueError(f"{name}: expected shape {fmt_shape(shape)}, got {fmt_shape(out.shape)}")
+    if out.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {out.device}")
+    check_unit_last_stride(out, name)

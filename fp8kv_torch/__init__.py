@@ -1,0 +1,215 @@
+"""PyTorch frontend of fp8kv: exact FP8 paged KV-cache write and page dequantization.
+
+CUDA tensors run the compiled Triton kernels; CPU tensors run the same kernels under Triton's
+interpreter (slow, for tests and CPU-only development). Every function is also a
+``torch.library`` custom op (``torch.ops.fp8kv.*``), so ``torch.compile(fullgraph=True)`` and CUDA
+graphs capture it.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _launch
+from ._ops import dequantize_pages_op, split_scale, write_kv_op
+from fp8kv.validate import dequantized_shape
+
+__all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
+
+
+def _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format):
+    if torch.compiler.is_compiling():
+        ks, ksv = split_scale(key_scale)
+        vs, vsv = split_scale(value_scale)
+        write_kv_op(key, value, key_cache, value_cache, slots, ks, vs, ksv, vsv, layout, fp8_format)
+    else:
+        _launch.write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout,
+                         fp8_format)
+
+
+def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_scale=None, *,
+             layout="NHD", fp8_format=None) -> None:
+    """Quantize ``key``/``value`` to FP8 and write them into a paged cache, in one launch.
+
+    Parameters
+    ----------
+    key, value : torch.Tensor
+        ``[num_tokens, num_kv_heads, head_dim]``, bfloat16 / float16 / float32; any strides with a
+        unit-stride last dim (e.g. K and V sliced out of a fused QKV output).
+    key_cache, value_cache : torch.Tensor
+        ``float8_e4m3fn``, ``float8_e5m2`` or raw ``uint8``, same shape, any strided view with a
+        unit-stride last dim (e.g. ``kv[:, 0]`` of a combined buffer):
+
+        * ``layout="NHD"``: ``[num_pages, page_size, num_kv_heads, head_dim]``
+        * ``layout="HND"``: ``[num_pages, num_kv_heads, page_size, head_dim]``
+        * either layout: ``[num_slots, num_kv_heads, head_dim]`` (page_size 1)
+    slots : torch.Tensor
+        ``[num_tokens]`` int32 / int64, ``slot = page * page_size + offset``. Tokens with
+        ``slot < 0`` (padding) or ``slot >= num_pages * page_size`` are not written.
+    key_scale, value_scale : None, float or torch.Tensor
+        Dequant scales: ``q = fp8(x / scale)``. A tensor is float32 of shape ``[]``, ``[1]`` (per
+        tensor) or ``[num_kv_heads]`` on the caches' device; the kernel reads it (no host sync).
+    layout : {"NHD", "HND"}
+    fp8_format : {None, "e4m3", "e5m2"}
+        Format of a ``uint8`` cache (default ``"e4m3"``); must match a typed cache if given.
+
+    Returns
+    -------
+    None
+
+    Note
+    ----
+    ``key_cache`` and ``value_cache`` are modified in place; bytes that no written slot names are
+    never touched. Rounding is IEEE fp32 division, then round-to-nearest-even with saturation
+    (NaN -> 0x7F), identical on every backend (see SPEC.md).
+
+    Examples
+    --------
+    >>> import torch, fp8kv_torch
+    >>> key = torch.tensor([[[1.0, -2.0, 500.0, 0.3]]], dtype=torch.bfloat16)  # 1 token, 1 head
+    >>> k_cache = torch.zeros(2, 4, 1, 4, dtype=torch.float8_e4m3fn)          # 2 pages of 4
+    >>> v_cache = torch.zeros_like(k_cache)
+    >>> fp8kv_torch.write_kv(key, key, k_cache, v_cache, torch.tensor([5]), key_scale=0.5)
+    >>> k_cache[1, 1, 0].float().tolist()
+    [2.0, -4.0, 448.0, 0.625]
+    """
+    _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format)
+
+
+def write_kv_combined(key, value, kv_cache, slots, key_scale=None, value_scale=None, *,
+                      layout="NHD", fp8_format=None) -> None:
+    """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
+
+    Parameters
+    ----------
+    kv_cache : torch.Tensor
+        ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD),
+        ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
+        ``[num_slots, 2, num_kv_heads, head_dim]``; index 0 of dim 1 is K, index 1 is V.
+
+    Other parameters are those of :func:`write_kv`. ``kv_cache`` is modified in place.
+
+    Examples
+    --------
+    >>> import torch, fp8kv_torch
+    >>> kv = torch.zeros(2, 2, 4, 1, 4, dtype=torch.uint8)
+    >>> x = torch.ones(1, 1, 4)
+    >>> fp8kv_torch.write_kv_combined(x, -x, kv, torch.tensor([6]))
+    >>> kv[1, :, 2, 0].tolist()
+    [[56, 56, 56, 56], [184, 184, 184, 184]]
+    """
+    _write(key, value, kv_cache, None, slots, key_scale, value_scale, layout, fp8_format)
+
+
+def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
+                fp8_format, null_page, out, combined):
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+    if out is None:
+        args = _launch.dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale,
+                                       str(dtype)[6:], layout, fp8_format, null_page)
+        shape = dequantized_shape(args, combined)
+        device = key_cache.device
+        outs = [torch.empty(shape, dtype=dtype, device=device)]
+        if not combined:
+            outs.append(torch.empty(shape, dtype=dtype, device=device))
+        outs.append(torch.empty(args.batch, args.pages_per_seq, dtype=torch.int32, device=device))
+    else:
+        outs = list(out)
+        if len(outs) != (2 if combined else 3):
+            raise ValueError(f"out: expected {'(kv_pages, new_block_table)' if combined else '(key_pages, value_pages, new_block_table)'}, "
+                             f"got {len(outs)} tensors")
+        if outs[0].dtype != dtype:
+            raise TypeError(f"out[0]: expected dtype {dtype} (the dtype argument), got {outs[0].dtype}")
+    key_out, value_out = outs[0], (None if combined else outs[1])
+    if torch.compiler.is_compiling():
+        ks, ksv = split_scale(key_scale)
+        vs, vsv = split_scale(value_scale)
+        dequantize_pages_op(key_cache, value_cache, block_table, ks, vs, ksv, vsv, layout, fp8_format,
+                            null_page, key_out, value_out, outs[-1])
+    else:
+        _launch.dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, layout,
+                                 fp8_format, null_page, key_out, value_out, outs[-1])
+    return tuple(outs)
+
+
+def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_scale=None, *,
+                     dtype=torch.bfloat16, layout="NHD", fp8_format=None, null_page=None, out=None):
+    """Dequantize the pages a block table names into a compact paged cache + renumbered table.
+
+    Parameters
+    ----------
+    key_cache, value_cache : torch.Tensor
+        FP8 caches as in :func:`write_kv` (NHD ``[num_pages, page_size, H, D]``, HND
+        ``[num_pages, H, page_size, D]`` or ``[num_slots, H, D]``), typed or ``uint8``.
+    block_table : torch.Tensor
+        ``[batch, pages_per_seq]`` int32 (or int64). Entries ``< 0``, equal to ``null_page``, or
+        ``>= num_pages`` are padding.
+    key_scale, value_scale : None, float or torch.Tensor
+        As in :func:`write_kv`: ``out = round(fp32(decode(q)) * scale)``.
+    dtype : torch.dtype
+        ``torch.bfloat16`` (default), ``torch.float16`` or ``torch.float32``.
+    layout : {"NHD", "HND"}
+    fp8_format : {None, "e4m3", "e5m2"}
+    null_page : int, optional
+        A page id that also means padding (vLLM's null block is 0).
+    out : tuple of torch.Tensor, optional
+        Preallocated ``(key_pages, value_pages, new_block_table)`` (e.g. for CUDA graphs); each may
+        be a strided view with a unit-stride last dim.
+
+    Returns
+    -------
+    key_pages, value_pages : torch.Tensor
+        ``[batch * pages_per_seq, ...page]`` in the cache's layout, ``dtype``: output page ``i`` is
+        the cache page ``block_table.flatten()[i]``, dequantized; padding entries give zero pages.
+    new_block_table : torch.Tensor
+        ``arange(batch * pages_per_seq).reshape(batch, pages_per_seq)``, int32.
+
+    Note
+    ----
+    The caches are only read. With ``out``, the three tensors are overwritten entirely.
+
+    Examples
+    --------
+    >>> import torch, fp8kv_torch
+    >>> cache = torch.full((3, 2, 1, 4), 0x38, dtype=torch.uint8)   # every byte is 1.0 in e4m3
+    >>> k, v, table = fp8kv_torch.dequantize_pages(cache, cache, torch.tensor([[2, -1]], dtype=torch.int32),
+    ...                                             key_scale=0.5)
+    >>> k[:, 0, 0].tolist(), table.tolist()
+    ([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], [[0, 1]])
+    """
+    return _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
+                       fp8_format, null_page, out, combined=False)
+
+
+def dequantize_pages_combined(kv_cache, block_table, key_scale=None, value_scale=None, *,
+                              dtype=torch.bfloat16, layout="NHD", fp8_format=None, null_page=None,
+                              out=None):
+    """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
+
+    Parameters
+    ----------
+    kv_cache : torch.Tensor
+        ``[num_pages, 2, page_size, H, D]`` (NHD), ``[num_pages, 2, H, page_size, D]`` (HND) or
+        ``[num_slots, 2, H, D]``; K at index 0 of dim 1, V at index 1.
+    out : tuple of torch.Tensor, optional
+        Preallocated ``(kv_pages, new_block_table)``.
+
+    Returns
+    -------
+    kv_pages : torch.Tensor
+        ``[batch * pages_per_seq, 2, ...page]``, ``dtype``.
+    new_block_table : torch.Tensor
+        ``[batch, pages_per_seq]`` int32.
+
+    Other parameters are those of :func:`dequantize_pages`.
+
+    Examples
+    --------
+    >>> import torch, fp8kv_torch
+    >>> kv = torch.full((2, 2, 1, 1, 2), 0xB8, dtype=torch.uint8)   # -1.0 in e4m3
+    >>> pages, table = fp8kv_torch.dequantize_pages_combined(kv, torch.tensor([[1]], dtype=torch.int32))
+    >>> pages.shape, pages[0, 1, 0, 0].tolist()
+    (torch.Size([1, 2, 1, 1, 2]), [-1.0, -1.0])
+    """
+    return _dequantize(kv_cache, None, block_table, key_scale, value_scale, dtype, layout,
+                       fp8_format, null_page, out, combined=True)

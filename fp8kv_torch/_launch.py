@@ -1,0 +1,123 @@
+"""torch tensors -> core validation -> core plan -> kernel launch. No decisions are made here."""
+from __future__ import annotations
+
+import torch
+
+from fp8kv import ops
+from fp8kv.arrays import ArrayInfo
+from fp8kv.plan import CUDA, INTERPRET, plan_dequantize, plan_write
+from fp8kv.validate import check_dequantize, check_out, check_write, dequantized_shape
+
+
+def info(t: torch.Tensor) -> ArrayInfo:
+    return ArrayInfo(tuple(t.shape), tuple(t.stride()), str(t.dtype)[6:], str(t.device))
+
+
+def scale_arg(scale):
+    """A scale as the core sees it: None, a number, or an ArrayInfo (the core checks which)."""
+    return info(scale) if isinstance(scale, torch.Tensor) else scale
+
+
+def _backend(t: torch.Tensor, name: str) -> str:
+    if t.device.type == "cuda":
+        return CUDA
+    if t.device.type == "cpu":
+        return INTERPRET
+    raise ValueError(f"{name}: expected a CUDA or CPU tensor, got device {t.device}")
+
+
+def _launch(kernel, plan, backend, device, arrays, outputs):
+    kernel = ops.kernel_for(kernel, backend == INTERPRET)
+    if backend == CUDA and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            kernel[plan.grid](*arrays, *plan.scalars, *outputs, num_warps=plan.num_warps,
+                              **plan.constexprs)
+    else:
+        kernel[plan.grid](*arrays, *plan.scalars, *outputs, num_warps=plan.num_warps,
+                          **plan.constexprs)
+
+
+def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
+             exact=None, launch=True):
+    """Validate, plan and launch one write. ``value_cache=None``: ``key_cache`` is combined.
+
+    ``exact`` forces the exact (True) or hardware (False) conversions; ``launch=False`` only
+    validates (the fake implementation of the custom op).
+    """
+    combined = value_cache is None
+    args = check_write(
+        info(key), info(value), None if combined else info(key_cache),
+        None if combined else info(value_cache), info(slots),
+        scale_arg(key_scale), scale_arg(value_scale),
+        layout=layout, fp8_format=fp8_format, kv_cache=info(key_cache) if combined else None)
+    backend = _backend(key, "key")
+    plan = plan_write(args, backend, exact, combined)
+    if plan.empty or not launch:
+        return
+    ks = key_scale if isinstance(key_scale, torch.Tensor) else slots  # unused placeholder pointer
+    vs = value_scale if isinstance(value_scale, torch.Tensor) else slots
+    if combined:
+        _launch(ops._write_kv_combined_kernel, plan, backend, key.device,
+                (key, value, key_cache, slots, ks, vs), (key_cache,))
+    else:
+        _launch(ops._write_kv_kernel, plan, backend, key.device,
+                (key, value, key_cache, value_cache, slots, ks, vs), (key_cache, value_cache))
+
+
+def _page_strides(out_info: ArrayInfo, rank: int, layout: str, combined: bool):
+    """(page, slot, head) strides of an output laid out like the cache (K half if combined)."""
+    if combined:
+        out_info = out_info.drop_dim(1)
+    s = out_info.strides
+    if rank == 3:
+        return (s[0], 0, s[1])
+    return (s[0], s[1], s[2]) if layout == "NHD" else (s[0], s[2], s[1])
+
+
+def dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
+                    fp8_format, null_page):
+    combined = value_cache is None
+    return check_dequantize(
+        None if combined else info(key_cache), None if combined else info(value_cache),
+        info(block_table), scale_arg(key_scale), scale_arg(value_scale),
+        dtype=dtype, layout=layout, fp8_format=fp8_format, null_page=null_page,
+        kv_cache=info(key_cache) if combined else None)
+
+
+def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, layout, fp8_format,
+                     null_page, key_out, value_out, table_out, exact=None, launch=True):
+    """Validate, plan and launch one dequantize into preallocated outputs.
+
+    ``value_cache=None``: ``key_cache`` is a combined cache; ``value_out=None``: ``key_out`` is a
+    combined output.
+    """
+    dtype = str(key_out.dtype)[6:]
+    args = dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
+                           fp8_format, null_page)
+    device = str(key_cache.device)
+    combined_out = value_out is None
+    check_out(info(key_out), "out[0]", dequantized_shape(args, combined_out), dtype, device)
+    if not combined_out:
+        check_out(info(value_out), "out[1]", dequantized_shape(args, False), dtype, device)
+    check_out(info(table_out), "out[-1]", (args.batch, args.pages_per_seq), "int32", device)
+    if not table_out.is_contiguous():
+        raise ValueError("out[-1]: expected a contiguous new_block_table")
+    strides = _page_strides(info(key_out), args.cache_rank, layout, combined_out)
+    if combined_out:
+        strides += (key_out.stride(1),)
+    else:
+        strides += _page_strides(info(value_out), args.cache_rank, layout, False)
+    backend = _backend(key_cache, "key_cache")
+    plan = plan_dequantize(args, strides, backend, exact, combined_out)
+    if plan.empty or not launch:
+        return
+    vc = key_cache if value_cache is None else value_cache
+    ks = key_scale if isinstance(key_scale, torch.Tensor) else block_table
+    vs = value_scale if isinstance(value_scale, torch.Tensor) else block_table
+    arrays = (key_cache, vc, block_table, ks, vs)
+    if combined_out:
+        _launch(ops._dequantize_pages_combined_kernel, plan, backend, key_cache.device, arrays,
+                (key_out, table_out))
+    else:
+        _launch(ops._dequantize_pages_kernel, plan, backend, key_cache.device, arrays,
+                (key_out, value_out, table_out))
