@@ -71,7 +71,7 @@ def check_dtype(info: ArrayInfo, name: str, allowed) -> None:
 
 
 def check_unit_last_stride(info: ArrayInfo, name: str) -> None:
-    if info.ndim and info.shape[-1] > 1 and info.strides[-1] != 1:
+    if info.ndim and info.shape[-1] > 1 and 0 not in info.shape and info.strides[-1] != 1:
         raise ValueError(f"{name}: expected a unit-stride last dimension, got strides "
                          f"{fmt_shape(info.strides)}")
 

@@ -1,0 +1,49 @@
+"""Shared fixtures: the torch devices to run on and NumPy <-> torch conversion.
+
+Every torch test is parametrized over ``device``: ``cpu`` runs the Triton kernels under the
+interpreter (the exact conversion path), ``cuda`` runs them compiled. A machine without CUDA runs
+the ``cpu`` half only; the GPU suite runs both.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs in the GPU suite)")
+
+_TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2, "uint8": torch.uint8,
+    "int32": torch.int32, "int64": torch.int64,
+}
+_BITS = {1: (np.uint8, torch.uint8), 2: (np.uint16, torch.int16), 4: (np.uint32, torch.int32),
+         8: (np.uint64, torch.int64)}  # itemsize -> (NumPy unsigned, torch same-size) bit views
+
+
+def torch_dtype(name: str):
+    return _TORCH_DTYPES[name]
+
+
+def to_torch(a, device):
+    """A NumPy array (ml_dtypes included) as a torch tensor with the same bytes, on ``device``."""
+    if a is None or isinstance(a, float):
+        return a
+    a = np.array(a, order="C", copy=True)
+    signed = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[a.itemsize]
+    return torch.from_numpy(a.view(signed)).view(torch_dtype(a.dtype.name)).to(device)
+
+
+def bits(t) -> np.ndarray:
+    """Raw bits of a tensor as a NumPy unsigned array (NaN payloads included)."""
+    t = t.detach().contiguous().cpu()
+    np_bits, torch_bits = _BITS[t.element_size()]
+    return t.view(torch_bits).numpy().view(np_bits)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param

@@ -1,0 +1,130 @@
+"""Every kernel variant the suite uses compiles for Hopper (sm_90) -- without a GPU.
+
+CI has no GPU, so this is where a kernel that the interpreter accepts but the CUDA backend rejects
+fails. The PTX is also checked for what the design relies on: IEEE division, the saturating fp8
+conversion, no flush-to-zero, and 16-byte global accesses on the packed bf16 path.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from cases import DEQUANT_CASES, WRITE_CASES, scale_values
+from fp8kv import ops
+from fp8kv.arrays import ArrayInfo
+from fp8kv.plan import CUDA, plan_dequantize, plan_write
+from fp8kv.validate import check_dequantize, check_write, dequantized_shape
+
+POINTER_TYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32",
+                 "float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5", "uint8": "*u8",
+                 "int32": "*i32", "int64": "*i64"}
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_hopper(kernel, input_dtypes, output_dtypes, plan):
+    """Compile like a launch with 16-byte-aligned tensors would (Triton's default specialization)."""
+    params = ([(POINTER_TYPES[d], None) for d in input_dtypes] + list(zip(plan.scalar_types, plan.scalars))
+              + [(POINTER_TYPES[d], None) for d in output_dtypes])
+    constexprs = plan.constexprs
+    signature, attrs, consts = {}, {}, {}
+    runtime = iter(params)
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name], consts[(index,)] = "constexpr", constexprs[name]
+            continue
+        ty, value = next(runtime)
+        if isinstance(value, int) and value == 1:   # Triton makes ints equal to 1 constexprs
+            signature[name], consts[(index,)] = "constexpr", 1
+            continue
+        signature[name] = ty
+        if ty.startswith("*") or (isinstance(value, int) and value % 16 == 0):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    src = ASTSource(kernel, signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=HOPPER, options=dict(num_warps=plan.num_warps))
+
+
+def scale_arg(kind, heads):
+    s = scale_values(kind, heads, None if kind != "head" else __import__("numpy").random.default_rng(0))
+    if s is None or isinstance(s, float):
+        return s
+    return ArrayInfo.contiguous(s.shape, "float32", "cuda:0")
+
+
+def ptx_ops(compiled) -> set:
+    return set(re.findall(r"\b(?:ld|st)\.global[.\w]*|\bcvt\.rn\.satfinite[.\w]*|\bdiv\.[.\w]*",
+                          compiled.asm["ptx"]))
+
+
+# One compile per distinct constexpr set: the cases repeat many.
+WRITE_VARIANTS = {}
+for case in WRITE_CASES:
+    if case.tokens:
+        WRITE_VARIANTS.setdefault((case.dtype, case.fmt, case.layout, case.scale, case.heads,
+                                   case.head_dim, case.page_size), case)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("case", list(WRITE_VARIANTS.values()), ids=lambda c: c.id)
+def test_write_kernel_compiles_for_sm90(case, exact):
+    x = ArrayInfo.contiguous((case.tokens, case.heads, case.head_dim), case.dtype, "cuda:0")
+    cache = ArrayInfo.contiguous(case.cache_shape, case.cache_dtype, "cuda:0")
+    slots = ArrayInfo.contiguous((case.tokens,), case.slots, "cuda:0")
+    ks = scale_arg(case.scale, case.heads)
+    args = check_write(x, x, cache, cache, slots, ks, ks, layout=case.api_layout,
+                       fp8_format=case.fp8_format)
+    plan = plan_write(args, CUDA, exact)
+    scale_dtype = "float32" if isinstance(ks, ArrayInfo) else case.slots
+    inputs = [case.dtype, case.dtype, case.cache_dtype, case.cache_dtype, case.slots, scale_dtype,
+              scale_dtype]
+    found = ptx_ops(compile_for_hopper(ops._write_kv_kernel, inputs, [case.cache_dtype] * 2, plan))
+    assert "ftz" not in " ".join(found)
+    if not exact:
+        assert any(op.startswith("cvt.rn.satfinite") for op in found)
+    if args.key_scale_mode:
+        assert "div.rn.f32" in found
+    if case.dtype == "bfloat16" and case.layout == "NHD" and case.head_dim % 64 == 0 and not exact:
+        assert "ld.global.v4.b32" in found, found   # 16-byte loads of K/V rows
+
+
+def test_write_combined_kernel_compiles_for_sm90():
+    x = ArrayInfo.contiguous((64, 8, 128), "bfloat16", "cuda:0")
+    kv = ArrayInfo.contiguous((10, 2, 16, 8, 128), "float8_e4m3fn", "cuda:0")
+    slots = ArrayInfo.contiguous((64,), "int64", "cuda:0")
+    args = check_write(x, x, None, None, slots, 0.5, 0.5, layout="NHD", fp8_format=None, kv_cache=kv)
+    plan = plan_write(args, CUDA, None, True)
+    compile_for_hopper(ops._write_kv_combined_kernel,
+                       ["bfloat16", "bfloat16", "float8_e4m3fn", "int64", "int64", "int64"],
+                       ["float8_e4m3fn"], plan)
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("case", [c for c in DEQUANT_CASES if c.batch], ids=lambda c: c.id)
+def test_dequantize_kernel_compiles_for_sm90(case, exact, combined):
+    cache = ArrayInfo.contiguous(case.cache_shape, case.cache_dtype, "cuda:0")
+    table = ArrayInfo.contiguous((case.batch, case.pages_per_seq), "int32", "cuda:0")
+    ks = scale_arg(case.scale, case.heads)
+    args = check_dequantize(cache, cache, table, ks, ks, dtype=case.out, layout=case.api_layout,
+                            fp8_format=case.fp8_format, null_page=case.null_page)
+    out = ArrayInfo.contiguous(dequantized_shape(args, combined), case.out, "cuda:0")
+    if combined:
+        half = out.drop_dim(1).strides
+        page_strides = (half[0], 0, half[1]) if args.cache_rank == 3 else (
+            (half[0], half[1], half[2]) if case.api_layout == "NHD" else (half[0], half[2], half[1]))
+        strides = page_strides + (out.strides[1],)
+    else:
+        s = out.strides
+        page_strides = (s[0], 0, s[1]) if args.cache_rank == 3 else (
+            (s[0], s[1], s[2]) if case.api_layout == "NHD" else (s[0], s[2], s[1]))
+        strides = page_strides * 2
+    plan = plan_dequantize(args, strides, CUDA, exact, combined)
+    scale_dtype = "float32" if isinstance(ks, ArrayInfo) else "int32"
+    inputs = [case.cache_dtype, case.cache_dtype, "int32", scale_dtype, scale_dtype]
+    outputs = [case.out, "int32"] if combined else [case.out, case.out, "int32"]
+    kernel = ops._dequantize_pages_combined_kernel if combined else ops._dequantize_pages_kernel
+    found = ptx_ops(compile_for_hopper(kernel, inputs, outputs, plan))
+    assert "ftz" not in " ".join(found)
