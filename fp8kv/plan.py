@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from .arrays import ArrayInfo
 from .validate import DequantArgs, WriteArgs, page_is_packed
 
 INTERPRET, CUDA = "interpret", "cuda"
@@ -77,9 +78,7 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None,
     block_t = max(1, sizes["tile"] // block_hd)
     if backend == INTERPRET:  # no compile cost here: fit the tile to the batch
         block_t = min(block_t, next_pow2(max(args.num_tokens, 1)))
-    num_warps = sizes["num_warps"] if block_t * block_hd <= 4096 else 8
-    if backend == INTERPRET:
-        num_warps = 1
+    num_warps = sizes["num_warps"]
     key, value = args.key, args.value
     strides = [args.num_tokens, kc.num_pages * kc.page_size,
                key.strides[0], key.strides[1], value.strides[0], value.strides[1],
@@ -104,21 +103,29 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None,
 OUT_KINDS = {"bfloat16": 0, "float16": 1, "float32": 2}
 
 
-@functools.lru_cache(maxsize=4096)
-def plan_dequantize(args: DequantArgs, out_strides: tuple, backend: str, exact: bool | None = None,
-                    combined: bool = False) -> LaunchPlan:
-    """Plan ``_dequantize_pages_kernel`` (``combined``: ``_dequantize_pages_combined_kernel``).
+def page_strides(out: ArrayInfo, args: DequantArgs) -> tuple[int, int, int]:
+    """``(page, slot, head)`` strides of an output laid out like the cache (rank 3: slot is 0)."""
+    s = out.strides
+    if args.cache_rank == 3:
+        return (s[0], 0, s[1])
+    return (s[0], s[1], s[2]) if args.layout == "NHD" else (s[0], s[2], s[1])
 
-    ``out_strides``: ``(page, slot, head)`` strides of the key output and of the value output (for a
-    combined output: of its K half, then the V offset in place of the value triple).
+
+@functools.lru_cache(maxsize=4096)
+def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo | None,
+                    backend: str, exact: bool | None = None) -> LaunchPlan:
+    """Plan ``_dequantize_pages_kernel``, or ``_dequantize_pages_combined_kernel`` when
+    ``value_out`` is None and ``key_out`` is a combined ``[N, 2, ...]`` output.
     """
+    combined = value_out is None
+    ko = page_strides(key_out.drop_dim(1) if combined else key_out, args)
+    vo = (key_out.strides[1],) if combined else page_strides(value_out, args)
     sizes = DEQUANT_SIZES[backend]
     kc, vc = args.key_cache, args.value_cache
     page_elems = kc.page_size * kc.num_heads * kc.head_dim
     block = min(next_pow2(page_elems), sizes["block"])
     num_entries = args.batch * args.pages_per_seq
     table = args.block_table
-    ko, vo = out_strides[:3], out_strides[3:]
     null_page = -1 if args.null_page is None else args.null_page
     values = [num_entries, max(args.pages_per_seq, 1), table.strides[0], table.strides[1],
               kc.num_pages, null_page, args.value_in_offset,

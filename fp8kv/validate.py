@@ -15,6 +15,13 @@ from .formats import (CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, INPUT_DTYPES, LAYO
 
 
 
+# How a kernel gets a scale (the SCALE_* constexprs of fp8kv.ops.fp8_math mirror these).
+SCALE_NONE = 0     # no scale, or 1.0: x / 1 is exact, skip the division
+SCALE_VALUE = 1    # a host float, passed as an fp32 scalar
+SCALE_TENSOR = 2   # a device fp32 scalar ([] or [1])
+SCALE_HEAD = 3     # a device fp32 vector, one per kv head
+
+
 @dataclass(frozen=True)
 class PagedCache:
     """A K or V cache seen as pages: ``[num_pages, page_size, num_heads, head_dim]`` + strides."""
@@ -124,9 +131,9 @@ def check_cache_pair(key_cache: ArrayInfo, value_cache: ArrayInfo, layout: str):
 
 
 def check_scale(scale, name: str, num_heads: int, device: str):
-    """Return the scale mode (0 none, 1 host float, 2 device scalar, 3 per head) and host value."""
+    """Return the scale mode (``SCALE_*``) and the host value."""
     if scale is None:
-        return 0, 1.0
+        return SCALE_NONE, 1.0
     if isinstance(scale, ArrayInfo):
         if scale.dtype != "float32":
             raise TypeError(f"{name}: expected dtype float32, got {scale.dtype}")
@@ -136,16 +143,16 @@ def check_scale(scale, name: str, num_heads: int, device: str):
         if scale.device != device:
             raise ValueError(f"{name}: expected device {device} (that of the cache), got {scale.device}")
         if scale.shape == (num_heads,) and num_heads > 1:
-            return 3, 1.0
-        return 2, 1.0
+            return SCALE_HEAD, 1.0
+        return SCALE_TENSOR, 1.0
     if isinstance(scale, bool) or not isinstance(scale, Real):
         raise TypeError(f"{name}: expected None, a float or a float32 array, got {type(scale).__name__}")
     value = float(scale)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name}: expected a finite scale > 0, got {value}")
     if value == 1.0:  # x / 1 == x exactly: skip the division
-        return 0, 1.0
-    return 1, value
+        return SCALE_NONE, 1.0
+    return SCALE_VALUE, value
 
 
 @dataclass(frozen=True)

@@ -127,16 +127,6 @@ def _call_ready(ready, key, value, key_cache, value_cache, slots, key_scale, val
     ready(key.device.index, arrays, outputs)
 
 
-def _page_strides(out_info: ArrayInfo, rank: int, layout: str, combined: bool):
-    """(page, slot, head) strides of an output laid out like the cache (K half if combined)."""
-    if combined:
-        out_info = out_info.drop_dim(1)
-    s = out_info.strides
-    if rank == 3:
-        return (s[0], 0, s[1])
-    return (s[0], s[1], s[2]) if layout == "NHD" else (s[0], s[2], s[1])
-
-
 def dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
                     fp8_format, null_page):
     combined = value_cache is None
@@ -165,13 +155,9 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     check_out(info(table_out), "out[-1]", (args.batch, args.pages_per_seq), "int32", device)
     if not table_out.is_contiguous():
         raise ValueError("out[-1]: expected a contiguous new_block_table")
-    strides = _page_strides(info(key_out), args.cache_rank, layout, combined_out)
-    if combined_out:
-        strides += (key_out.stride(1),)
-    else:
-        strides += _page_strides(info(value_out), args.cache_rank, layout, False)
     backend = _backend(key_cache, "key_cache")
-    plan = plan_dequantize(args, strides, backend, exact, combined_out)
+    plan = plan_dequantize(args, info(key_out), None if combined_out else info(value_out), backend,
+                           exact)
     if plan.empty or not launch:
         return
     vc = key_cache if value_cache is None else value_cache

@@ -9,23 +9,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+try:  # the JAX tests run without torch; the torch test modules importorskip it themselves
+    import torch
+except ImportError:
+    torch = None
 
-HAS_CUDA = torch.cuda.is_available()
+HAS_CUDA = torch is not None and torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs in the GPU suite)")
 
-_TORCH_DTYPES = {
-    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2, "uint8": torch.uint8,
-    "int32": torch.int32, "int64": torch.int64,
-}
-_BITS = {1: (np.uint8, torch.uint8), 2: (np.uint16, torch.int16), 4: (np.uint32, torch.int32),
-         8: (np.uint64, torch.int64)}  # itemsize -> (NumPy unsigned, torch same-size) bit views
+# itemsize -> (NumPy unsigned, torch same-size) types for bit views
+_BITS = {1: ("uint8", "uint8"), 2: ("uint16", "int16"), 4: ("uint32", "int32"), 8: ("uint64", "int64")}
 
 
 def torch_dtype(name: str):
-    return _TORCH_DTYPES[name]
+    return getattr(torch, name)
 
 
 def to_torch(a, device):
@@ -41,7 +39,7 @@ def bits(t) -> np.ndarray:
     """Raw bits of a tensor as a NumPy unsigned array (NaN payloads included)."""
     t = t.detach().contiguous().cpu()
     np_bits, torch_bits = _BITS[t.element_size()]
-    return t.view(torch_bits).numpy().view(np_bits)
+    return t.view(getattr(torch, torch_bits)).numpy().view(np_bits)
 
 
 @pytest.fixture(params=DEVICES)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+pytest.importorskip("torch")
+
 from attention_bound import attention_error_bound
 from cases import DEQUANT_CASES, DequantCase, as_uint, dequant_inputs
 from conftest import bits, requires_cuda, to_torch, torch, torch_dtype

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("torch")
+
 from conftest import requires_cuda, torch
 from fp8kv_torch import dequantize_pages, dequantize_pages_combined, write_kv, write_kv_combined
 

@@ -111,17 +111,7 @@ def test_dequantize_kernel_compiles_for_sm90(case, exact, combined):
     args = check_dequantize(cache, cache, table, ks, ks, dtype=case.out, layout=case.api_layout,
                             fp8_format=case.fp8_format, null_page=case.null_page)
     out = ArrayInfo.contiguous(dequantized_shape(args, combined), case.out, "cuda:0")
-    if combined:
-        half = out.drop_dim(1).strides
-        page_strides = (half[0], 0, half[1]) if args.cache_rank == 3 else (
-            (half[0], half[1], half[2]) if case.api_layout == "NHD" else (half[0], half[2], half[1]))
-        strides = page_strides + (out.strides[1],)
-    else:
-        s = out.strides
-        page_strides = (s[0], 0, s[1]) if args.cache_rank == 3 else (
-            (s[0], s[1], s[2]) if case.api_layout == "NHD" else (s[0], s[2], s[1]))
-        strides = page_strides * 2
-    plan = plan_dequantize(args, strides, CUDA, exact, combined)
+    plan = plan_dequantize(args, out, None if combined else out, CUDA, exact)
     scale_dtype = "float32" if isinstance(ks, ArrayInfo) else "int32"
     inputs = [case.cache_dtype, case.cache_dtype, "int32", scale_dtype, scale_dtype]
     outputs = [case.out, "int32"] if combined else [case.out, case.out, "int32"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+pytest.importorskip("torch")
+
 from cases import WriteCase, as_uint, write_inputs
 from conftest import bits, requires_cuda, to_torch, torch
 from fp8kv import reference as ref

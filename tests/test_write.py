@@ -7,6 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+pytest.importorskip("torch")
+
 from cases import WRITE_CASES, WriteCase, as_uint, random_values, write_inputs
 from conftest import bits, requires_cuda, to_torch, torch
 from fp8kv import reference as ref

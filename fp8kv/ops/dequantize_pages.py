@@ -13,7 +13,7 @@ output needs its own wrapper (one output operand), ``_dequantize_pages_combined_
 import triton.language as tl
 
 from ._dual import jit
-from .fp8_math import fp8_code_to_fp32, fp32_to_output_bits, load_scale
+from .fp8_math import SCALE_NONE, fp8_code_to_fp32, fp32_to_output_bits, load_scale
 
 
 @jit
@@ -74,9 +74,9 @@ def _dequantize_body(
         head = (j // HEAD_DIM) % NUM_HEADS
     k = fp8_code_to_fp32(key_codes.to(tl.int32), E5M2, EXACT)
     v = fp8_code_to_fp32(value_codes.to(tl.int32), E5M2, EXACT)
-    if K_SCALE_MODE != 0:
+    if K_SCALE_MODE != SCALE_NONE:
         k = k * load_scale(key_scale_ptr, key_scale_value, head, in_page, K_SCALE_MODE)
-    if V_SCALE_MODE != 0:
+    if V_SCALE_MODE != SCALE_NONE:
         v = v * load_scale(value_scale_ptr, value_scale_value, head, in_page, V_SCALE_MODE)
     # Padding pages are zeros (not 0 * scale, which is NaN for an inf scale).
     k_bits = tl.where(valid, fp32_to_output_bits(k, OUT_KIND, EXACT), 0)

@@ -11,12 +11,13 @@ Codes travel as int32 holding 0..255 (fp8) or as the output's unsigned bit patte
 """
 import triton.language as tl
 
+from .. import validate
 from ._dual import jit
 
-SCALE_NONE: tl.constexpr = tl.constexpr(0)    # no scale: y = x (x / 1 is exact)
-SCALE_VALUE: tl.constexpr = tl.constexpr(1)   # a host float passed as an fp32 scalar
-SCALE_TENSOR: tl.constexpr = tl.constexpr(2)  # a device fp32 scalar ([] or [1])
-SCALE_HEAD: tl.constexpr = tl.constexpr(3)    # a device fp32 vector, one per kv head
+SCALE_NONE: tl.constexpr = tl.constexpr(validate.SCALE_NONE)
+SCALE_VALUE: tl.constexpr = tl.constexpr(validate.SCALE_VALUE)
+SCALE_TENSOR: tl.constexpr = tl.constexpr(validate.SCALE_TENSOR)
+SCALE_HEAD: tl.constexpr = tl.constexpr(validate.SCALE_HEAD)
 _INF: tl.constexpr = tl.constexpr(float("inf"))
 _NAN: tl.constexpr = tl.constexpr(float("nan"))
 

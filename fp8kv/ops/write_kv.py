@@ -13,12 +13,12 @@ to the output) call the very same kernel.
 import triton.language as tl
 
 from ._dual import jit
-from .fp8_math import fp32_to_fp8_code, load_as_fp32, load_scale
+from .fp8_math import SCALE_HEAD, SCALE_NONE, fp32_to_fp8_code, load_as_fp32, load_scale
 
 
 @jit
 def _write_rows(key_ptr, value_ptr, key_dst_ptr, value_dst_ptr, key_scale_ptr, value_scale_ptr,
-                key_scale_value, value_scale_value, tok, key_row, value_row, keep,
+                key_scale_value, value_scale_value, tok, key_row, value_row, in_range, keep,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_head, stride_vc_head,
                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr,
                 K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr,
@@ -38,15 +38,18 @@ def _write_rows(key_ptr, value_ptr, key_dst_ptr, value_dst_ptr, key_scale_ptr, v
         v_col = col if VALUE_PACKED else head * stride_vh + dim
         kc_col = col if CACHE_PACKED else head * stride_kc_head + dim
         vc_col = col if CACHE_PACKED else head * stride_vc_head + dim
+        # Loads do not wait for the slots (one DRAM round trip instead of two for small batches);
+        # only the stores are masked by them.
+        load_mask = in_range[:, None] & col_mask[None, :]
         mask = keep[:, None] & col_mask[None, :]
-        xk = load_as_fp32(key_ptr, tok[:, None] * stride_kt + k_col[None, :], mask, EXACT)
-        xv = load_as_fp32(value_ptr, tok[:, None] * stride_vt + v_col[None, :], mask, EXACT)
-        if K_SCALE_MODE != 0:
+        xk = load_as_fp32(key_ptr, tok[:, None] * stride_kt + k_col[None, :], load_mask, EXACT)
+        xv = load_as_fp32(value_ptr, tok[:, None] * stride_vt + v_col[None, :], load_mask, EXACT)
+        if K_SCALE_MODE != SCALE_NONE:
             ks = load_scale(key_scale_ptr, key_scale_value, head, col_mask, K_SCALE_MODE)
-            xk = tl.math.div_rn(xk, ks if K_SCALE_MODE != 3 else ks[None, :])
-        if V_SCALE_MODE != 0:
+            xk = tl.math.div_rn(xk, ks if K_SCALE_MODE != SCALE_HEAD else ks[None, :])
+        if V_SCALE_MODE != SCALE_NONE:
             vs = load_scale(value_scale_ptr, value_scale_value, head, col_mask, V_SCALE_MODE)
-            xv = tl.math.div_rn(xv, vs if V_SCALE_MODE != 3 else vs[None, :])
+            xv = tl.math.div_rn(xv, vs if V_SCALE_MODE != SCALE_HEAD else vs[None, :])
         qk = fp32_to_fp8_code(xk, E5M2, EXACT).to(tl.uint8)
         qv = fp32_to_fp8_code(xv, E5M2, EXACT).to(tl.uint8)
         tl.store(key_dst + (key_row[:, None] + kc_col[None, :]), qk, mask=mask)
@@ -55,13 +58,13 @@ def _write_rows(key_ptr, value_ptr, key_dst_ptr, value_dst_ptr, key_scale_ptr, v
 
 @jit
 def _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr):
-    """This program's tokens, which of them to write, and their (page, offset) in the cache."""
+    """This program's tokens, which exist, which to write, and their (page, offset) in the cache."""
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = tok < num_tokens
     slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
     keep = in_range & (slot >= 0) & (slot < num_slots)
     slot = tl.where(keep, slot, 0)
-    return tok, keep, slot // PAGE_SIZE, slot % PAGE_SIZE
+    return tok, in_range, keep, slot // PAGE_SIZE, slot % PAGE_SIZE
 
 
 @jit
@@ -77,11 +80,13 @@ def _write_kv_kernel(
     KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr,
 ):
     """Separate K and V caches (each may be any strided view)."""
-    tok, keep, page, off = _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE, BLOCK_T)
+    tok, in_range, keep, page, off = _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE,
+                                                  BLOCK_T)
     key_row = page * stride_kc_page + off * stride_kc_slot
     value_row = page * stride_vc_page + off * stride_vc_slot
     _write_rows(key_ptr, value_ptr, key_cache_out_ptr, value_cache_out_ptr, key_scale_ptr,
-                value_scale_ptr, key_scale_value, value_scale_value, tok, key_row, value_row, keep,
+                value_scale_ptr, key_scale_value, value_scale_value, tok, key_row, value_row,
+                in_range, keep,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_head, stride_vc_head,
                 NUM_HEADS, HEAD_DIM, BLOCK_HD, K_SCALE_MODE, V_SCALE_MODE, E5M2, EXACT,
                 KEY_PACKED, VALUE_PACKED, CACHE_PACKED)
@@ -103,11 +108,12 @@ def _write_kv_combined_kernel(
 
     JAX has no strided views, so a combined cache is one operand aliased to one output.
     """
-    tok, keep, page, off = _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE, BLOCK_T)
+    tok, in_range, keep, page, off = _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE,
+                                                  BLOCK_T)
     key_row = page * stride_kc_page + off * stride_kc_slot
     _write_rows(key_ptr, value_ptr, kv_cache_out_ptr, kv_cache_out_ptr, key_scale_ptr,
                 value_scale_ptr, key_scale_value, value_scale_value, tok, key_row,
-                key_row + value_offset, keep,
+                key_row + value_offset, in_range, keep,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_head, stride_kc_head,
                 NUM_HEADS, HEAD_DIM, BLOCK_HD, K_SCALE_MODE, V_SCALE_MODE, E5M2, EXACT,
                 KEY_PACKED, VALUE_PACKED, CACHE_PACKED)

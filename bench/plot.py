@@ -1,0 +1,67 @@
+"""One PNG per table (matplotlib, headless)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+from .results import Table  # noqa: E402
+
+
+def _series(table: Table) -> dict[str, list]:
+    """Rows grouped by provider and mode, in first-seen order: one line or bar colour each."""
+    series: dict[str, list] = {}
+    for r in table.rows:
+        label = r.provider if r.mode == "-" else f"{r.provider} ({r.mode})"
+        series.setdefault(label, []).append(r)
+    return series
+
+
+def _copy_line(ax, copy_gbps: float) -> None:
+    ax.axhline(copy_gbps, color="gray", linestyle="--", linewidth=1,
+               label=f"copy bandwidth ({copy_gbps:.0f} GB/s)")
+
+
+def plot_table(table: Table, copy_gbps: float, path: Path) -> None:
+    """Save ``table`` as a PNG: time and GB/s against size (lines), or GB/s per case (bars)."""
+    if not table.rows:
+        return
+    series = _series(table)
+    if table.plot == "lines":
+        fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(13, 5))
+        for label, rows in series.items():
+            rows = sorted(rows, key=lambda r: r.size)
+            style = dict(linestyle=":", color="black") if rows[0].provider == "roofline" else {}
+            xs = [r.size for r in rows]
+            ax_t.plot(xs, [r.time_us for r in rows], marker="o", label=label, **style)
+            ax_b.plot(xs, [r.gbps for r in rows], marker="o", label=label, **style)
+        ax_t.set(xscale="log", yscale="log", xlabel=table.xlabel, ylabel="time per call (us)",
+                 title="latency")
+        ax_b.set(xscale="log", xlabel=table.xlabel, ylabel="GB/s (minimal bytes)",
+                 title="bandwidth")
+        _copy_line(ax_b, copy_gbps)
+        for ax in (ax_t, ax_b):
+            ax.grid(True, which="both", alpha=0.3)
+        ax_b.legend(fontsize=8)
+    else:
+        cases = list(dict.fromkeys(r.case for r in table.ordered()))
+        fig, ax_b = plt.subplots(figsize=(max(8, 0.35 * len(cases) * len(series) + 3), 5.5))
+        width = 0.8 / len(series)
+        for i, (label, rows) in enumerate(series.items()):
+            by_case = {r.case: r.gbps for r in rows}
+            xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(cases))]
+            values = [by_case.get(c, 0.0) for c in cases]
+            bars = ax_b.bar(xs, values, width, label=label)
+            ax_b.bar_label(bars, [f"{100 * v / copy_gbps:.0f}%" for v in values], fontsize=7)
+        ax_b.set_xticks(range(len(cases)), cases, rotation=30, ha="right", fontsize=8)
+        ax_b.set(ylabel="GB/s (minimal bytes)")
+        _copy_line(ax_b, copy_gbps)
+        ax_b.grid(True, axis="y", alpha=0.3)
+        ax_b.legend(fontsize=8)
+    fig.suptitle(table.title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

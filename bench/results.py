@@ -1,0 +1,97 @@
+"""Result tables: rows, derived bandwidth, CSV and markdown output."""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Row:
+    case: str
+    size: int              # x value of line plots (tokens or table entries); unused by bar plots
+    provider: str
+    mode: str              # timing mode (see bench.common.Timer), "-" for the roofline
+    time_us: float
+    nbytes: int            # minimal traffic of one call
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.time_us / 1e3
+
+
+@dataclass
+class Table:
+    """One benchmark table: one CSV, one PNG and one markdown section.
+
+    ``plot`` is ``"lines"`` (time and GB/s against ``size``) or ``"bars"`` (GB/s per case);
+    ``sort`` lists rows fastest first (the sweep). ``notes`` collect skips and failures.
+    """
+
+    key: str
+    title: str
+    description: str
+    xlabel: str = ""
+    plot: str = "lines"
+    sort: bool = False
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, case, size, provider, mode, time_us, nbytes) -> Row:
+        row = Row(case, int(size), provider, mode, float(time_us), int(nbytes))
+        self.rows.append(row)
+        print(f"  {self.key:<14} {case:<34} {provider:<14} {mode:<10} {_num(row.time_us):>9} us "
+              f"{_num(row.gbps):>8} GB/s", flush=True)
+        return row
+
+    def add_roofline(self, case, size, nbytes, copy_gbps: float) -> None:
+        """The time the copy bandwidth allows for ``nbytes``."""
+        self.add(case, size, "roofline", "-", nbytes / copy_gbps / 1e3, nbytes)
+
+    def note(self, text: str) -> None:
+        print(f"  {self.key}: {text}", flush=True)
+        self.notes.append(text)
+
+    def ordered(self) -> list[Row]:
+        return sorted(self.rows, key=lambda r: r.time_us) if self.sort else list(self.rows)
+
+
+def tokens_case(tokens: int) -> str:
+    return f"{tokens:,} token" + ("" if tokens == 1 else "s")
+
+
+def _num(x: float) -> str:
+    """Numbers for people: 3 significant digits, no exponent above 0.001."""
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    if x >= 0.001:
+        return f"{x:.3g}" if x < 1 else f"{x:.2f}"
+    return f"{x:.2e}"
+
+
+def write_csv(table: Table, copy_gbps: float, path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["case", "size", "provider", "mode", "time_us", "bytes", "gbps", "pct_of_copy"])
+        for r in table.ordered():
+            w.writerow([r.case, r.size, r.provider, r.mode, f"{r.time_us:.6g}", r.nbytes,
+                        f"{r.gbps:.6g}", f"{100 * r.gbps / copy_gbps:.6g}"])
+
+
+def markdown(table: Table, copy_gbps: float, image: str | None = None) -> str:
+    """The table's README section: title, what it measures, the numbers, notes, the plot."""
+    lines = [f"### {table.title}", "", table.description, ""]
+    if table.rows:
+        lines += ["| case | provider | mode | time (us) | GB/s | % of copy |",
+                  "| --- | --- | --- | ---: | ---: | ---: |"]
+        lines += [f"| {r.case} | {r.provider} | {r.mode} | {_num(r.time_us)} | {_num(r.gbps)} | "
+                  f"{_num(100 * r.gbps / copy_gbps)} |" for r in table.ordered()]
+        lines.append("")
+    lines += [f"- {n}" for n in table.notes]
+    if table.notes:
+        lines.append("")
+    if image and table.rows:
+        lines += [f"![{table.title}]({image})", ""]
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""Tuning sweep: the size tables of ``fp8kv.plan`` and the cost of the bit-exact conversions."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+from fp8kv import plan
+from fp8kv.validate import check_write
+from fp8kv_torch._launch import info, scale_arg
+
+from .common import Config, Timer, free_memory
+from .dequant import build_dequant_case
+from .results import Table, tokens_case
+from .write_torch import build_write_case
+
+TILES = (1024, 2048, 4096, 8192)      # write: elements per program (per K or V)
+BLOCKS = (1024, 2048, 4096, 8192)     # dequant: elements per program
+WARPS = (2, 4, 8)
+
+
+@contextlib.contextmanager
+def planned_with(sizes: dict, backend: str, clear, **entries):
+    """Plan with ``entries`` in ``sizes[backend]`` (a ``plan.*_SIZES`` table); restore afterwards.
+
+    ``clear`` empties the plan cache, which otherwise keeps serving plans made with old sizes.
+    """
+    saved = dict(sizes[backend])
+    sizes[backend].update(entries)
+    clear()
+    try:
+        yield
+    finally:
+        sizes[backend].clear()
+        sizes[backend].update(saved)
+        clear()
+
+
+def _write_plan(case, backend: str) -> plan.LaunchPlan:
+    """The plan the launcher makes for ``case`` now (the tile can override the warps)."""
+    key, value, slots = case.sets[0]
+    args = check_write(info(key), info(value), info(case.key_cache), info(case.value_cache),
+                       info(slots), scale_arg(case.key_scale), scale_arg(case.value_scale),
+                       layout=case.layout, fp8_format=None)
+    return plan.plan_write(args, backend)
+
+
+def _sweep_write(device, cfg: Config, timer: Timer, backend: str, mode: str, tokens: int) -> Table:
+    table = Table(f"sweep_write_{tokens}", f"Sweep: write tile and warps at {tokens:,} tokens",
+                  "`WRITE_SIZES` candidates, fastest first; `->` gives the launched block "
+                  "(tokens x row elements) and warps, as the plan may override the warps.",
+                  plot="bars", sort=True)
+    default = plan.WRITE_SIZES[backend]
+    default = (default["tile"], default["num_warps"])
+    case = build_write_case(device, cfg, tokens)
+    fns = case.fp8kv_calls()
+    for tile, warps in itertools.product(TILES, WARPS):
+        with planned_with(plan.WRITE_SIZES, backend, plan.plan_write.cache_clear, tile=tile,
+                          num_warps=warps):
+            launched = _write_plan(case, backend)
+            c = launched.constexprs
+            label = (f"tile {tile}, {warps}w -> {c['BLOCK_T']}x{c['BLOCK_HD']}, "
+                     f"{launched.num_warps}w" + (" (default)" if (tile, warps) == default else ""))
+            table.add(label, tokens, "fp8kv", mode, timer.time(mode, fns, sweep=True), case.nbytes)
+    return table
+
+
+def _sweep_dequant(device, cfg: Config, timer: Timer, backend: str, mode: str) -> Table:
+    batch, pages_per_seq, name = cfg.sweep_dequant
+    table = Table("sweep_dequant", f"Sweep: dequantize block and warps at {name}",
+                  "`DEQUANT_SIZES` candidates, fastest first (block: elements of a page per "
+                  "program).", plot="bars", sort=True)
+    default = plan.DEQUANT_SIZES[backend]
+    default = (default["block"], default["num_warps"])
+    case = build_dequant_case(device, cfg, batch, pages_per_seq)
+    fns = case.fp8kv_calls()
+    for block, warps in itertools.product(BLOCKS, WARPS):
+        with planned_with(plan.DEQUANT_SIZES, backend, plan.plan_dequantize.cache_clear,
+                          block=block, num_warps=warps):
+            label = f"block {block}, {warps}w" + (" (default)" if (block, warps) == default else "")
+            table.add(label, batch * pages_per_seq, "fp8kv", mode,
+                      timer.time(mode, fns, sweep=True), case.nbytes)
+    return table
+
+
+def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
+    table = Table("sweep_exact", "Sweep: bit-exact software conversions vs hardware conversions",
+                  "`exact`: the integer-arithmetic conversions the CPU interpreter needs "
+                  "(`_launch.*(..., exact=True)`); `fast`: the hardware `cvt` instructions "
+                  "(`exact=False`, the default on CUDA). Both give the same bytes.",
+                  plot="bars")
+    cases = [(f"write {tokens_case(t)}", t, build_write_case(device, cfg, t))
+             for t in cfg.sweep_write_tokens]
+    batch, pages_per_seq, name = cfg.sweep_dequant
+    cases.append((f"dequant {name}", batch * pages_per_seq,
+                  build_dequant_case(device, cfg, batch, pages_per_seq)))
+    for label, size, case in cases:
+        for exact in (True, False):
+            table.add(label, size, "exact" if exact else "fast", mode,
+                      timer.time(mode, case.launch_calls(exact), sweep=True), case.nbytes)
+    return table
+
+
+def sweep_tables(device, cfg: Config, timer: Timer):
+    """Table 5: time every size-table candidate (graph mode) and exact vs fast conversions.
+
+    Yields each table as it completes. On the CPU the interpreter's size table is swept instead,
+    which only exercises the harness.
+    """
+    backend = plan.CUDA if timer.cuda else plan.INTERPRET
+    mode = "graph" if timer.cuda else "eager"
+    for tokens in cfg.sweep_write_tokens:
+        yield _sweep_write(device, cfg, timer, backend, mode, tokens)
+        free_memory()
+    yield _sweep_dequant(device, cfg, timer, backend, mode)
+    free_memory()
+    yield _exact_vs_fast(device, cfg, timer, mode)
+    free_memory()

@@ -1,0 +1,239 @@
+"""JAX frontend of fp8kv: exact FP8 paged KV-cache write and page dequantization.
+
+Arrays on an NVIDIA GPU run the core's compiled Triton kernels through jax-triton (imported on
+first use); everywhere else (CPU, TPU) a pure-jnp path gives the very same bytes (SPEC.md). Under a
+trace (``jax.jit``, ``shard_map``) the path is that of JAX's default device (``jax.default_device``
+selects another).
+
+Every function returns new arrays. To update a cache in place, donate it under ``jax.jit``:
+
+>>> import functools, jax, jax.numpy as jnp, fp8kv_jax
+>>> step = jax.jit(functools.partial(fp8kv_jax.write_kv, key_scale=0.5), donate_argnums=(2, 3))
+>>> k_cache = jnp.zeros((4, 16, 1, 8), jnp.float8_e4m3fn)    # 4 pages of 16 slots, 1 head
+>>> v_cache = jnp.zeros_like(k_cache)
+>>> x = jnp.ones((2, 1, 8), jnp.bfloat16)                     # 2 tokens
+>>> k_cache, v_cache = step(x, x, k_cache, v_cache, jnp.array([3, 40]))
+>>> k_cache[2, 8, 0, :2].astype(jnp.float32).tolist()         # slot 40 = page 2, offset 8
+[2.0, 2.0]
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from fp8kv.validate import dequantized_shape
+
+from . import _args, _triton, _xla
+from ._args import as_array, as_caches, as_scale, device_scale
+
+__all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
+
+
+def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format):
+    caches = as_caches(caches)
+    key, value, slots = as_array(key, "key"), as_array(value, "value"), as_array(slots, "slots")
+    key_scale, value_scale = as_scale(key_scale, "key_scale"), as_scale(value_scale, "value_scale")
+    args = _args.write_args(key, value, caches, slots, key_scale, value_scale, layout, fp8_format)
+    if args.num_tokens == 0:  # nothing to write: no launch
+        return caches
+    impl = _triton if _args.use_triton((key, value, *caches, slots)) else _xla
+    combined = len(caches) == 1
+    out = impl.write_kv(key, value, caches[0], None if combined else caches[1], slots,
+                        device_scale(key_scale), device_scale(value_scale), args=args,
+                        layout=layout, combined=combined)
+    return (out,) if combined else out
+
+
+def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_scale=None, *,
+             layout="NHD", fp8_format=None):
+    """Quantize ``key``/``value`` to FP8 and write them into a paged cache, in one launch.
+
+    Parameters
+    ----------
+    key, value : jax.Array
+        ``[num_tokens, num_kv_heads, head_dim]``, bfloat16 / float16 / float32.
+    key_cache, value_cache : jax.Array
+        ``float8_e4m3fn``, ``float8_e5m2`` or raw ``uint8``, same shape:
+
+        * ``layout="NHD"``: ``[num_pages, page_size, num_kv_heads, head_dim]``
+        * ``layout="HND"``: ``[num_pages, num_kv_heads, page_size, head_dim]``
+        * either layout: ``[num_slots, num_kv_heads, head_dim]`` (page_size 1)
+    slots : jax.Array
+        ``[num_tokens]`` int32 (int64 with ``jax_enable_x64``), ``slot = page * page_size +
+        offset``. Tokens with ``slot < 0`` (padding) or ``slot >= num_pages * page_size`` are
+        not written.
+    key_scale, value_scale : None, float or jax.Array
+        Dequant scales: ``q = fp8(x / scale)``. An array is float32 of shape ``[]``, ``[1]`` (per
+        tensor) or ``[num_kv_heads]`` (per head); it may be traced (no recompilation per value),
+        whereas a Python float is compiled in.
+    layout : {"NHD", "HND"}
+    fp8_format : {None, "e4m3", "e5m2"}
+        Format of a ``uint8`` cache (default ``"e4m3"``); must match a typed cache if given.
+
+    Returns
+    -------
+    key_cache, value_cache : jax.Array
+        The caches with the tokens written; every byte that no written slot names is unchanged.
+
+    Note
+    ----
+    JAX arrays are immutable: the caches passed in are not modified. Under ``jax.jit`` with the
+    caches donated (``donate_argnums``) the returned caches reuse their buffers and only the
+    written rows are touched, so a step costs the same whatever the cache size; without donation
+    XLA copies each cache first. Rounding is IEEE fp32 division, then round-to-nearest-even with
+    saturation (NaN -> 0x7F), identical on every backend (SPEC.md).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, fp8kv_jax
+    >>> key = jnp.array([[[1.0, -2.0, 500.0, 0.3]]], dtype=jnp.bfloat16)   # 1 token, 1 head
+    >>> k_cache = jnp.zeros((2, 4, 1, 4), dtype=jnp.float8_e4m3fn)         # 2 pages of 4
+    >>> k_cache, v_cache = fp8kv_jax.write_kv(key, key, k_cache, jnp.zeros_like(k_cache),
+    ...                                       jnp.array([5]), key_scale=0.5)
+    >>> k_cache[1, 1, 0].astype(jnp.float32).tolist()
+    [2.0, -4.0, 448.0, 0.625]
+    """
+    return _write(key, value, (key_cache, value_cache), slots, key_scale, value_scale, layout,
+                  fp8_format)
+
+
+def write_kv_combined(key, value, kv_cache, slots, key_scale=None, value_scale=None, *,
+                      layout="NHD", fp8_format=None):
+    """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
+
+    Parameters
+    ----------
+    kv_cache : jax.Array
+        ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD),
+        ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
+        ``[num_slots, 2, num_kv_heads, head_dim]``; index 0 of dim 1 is K, index 1 is V.
+
+    Other parameters are those of :func:`write_kv`.
+
+    Returns
+    -------
+    kv_cache : jax.Array
+        The cache with the tokens written.
+
+    Note
+    ----
+    As in :func:`write_kv`: a new array, or the same buffer when ``kv_cache`` is donated under
+    ``jax.jit``.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, fp8kv_jax
+    >>> x = jnp.ones((1, 1, 4))
+    >>> kv = jnp.zeros((2, 2, 4, 1, 4), jnp.uint8)
+    >>> kv = fp8kv_jax.write_kv_combined(x, -x, kv, jnp.array([6]))
+    >>> kv[1, :, 2, 0].tolist()
+    [[56, 56, 56, 56], [184, 184, 184, 184]]
+    """
+    (kv_cache,) = _write(key, value, (kv_cache,), slots, key_scale, value_scale, layout,
+                         fp8_format)
+    return kv_cache
+
+
+def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format, null_page):
+    caches = as_caches(caches)
+    block_table = as_array(block_table, "block_table")
+    key_scale, value_scale = as_scale(key_scale, "key_scale"), as_scale(value_scale, "value_scale")
+    args = _args.dequantize_args(caches, block_table, key_scale, value_scale,
+                                 _args.dtype_name(dtype), layout, fp8_format, null_page)
+    combined = len(caches) == 1
+    if args.batch * args.pages_per_seq == 0:  # no pages to read: no launch
+        shape = dequantized_shape(args, combined)
+        pages = (jnp.zeros(shape, args.out_dtype),) * (1 if combined else 2)
+        return (*pages, jnp.zeros((args.batch, args.pages_per_seq), jnp.int32))
+    impl = _triton if _args.use_triton((*caches, block_table)) else _xla
+    return impl.dequantize_pages(caches[0], None if combined else caches[1], block_table,
+                                 device_scale(key_scale), device_scale(value_scale), args=args,
+                                 combined=combined)
+
+
+def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_scale=None, *,
+                     dtype=jnp.bfloat16, layout="NHD", fp8_format=None, null_page=None):
+    """Dequantize the pages a block table names into a compact paged cache + renumbered table.
+
+    Parameters
+    ----------
+    key_cache, value_cache : jax.Array
+        FP8 caches as in :func:`write_kv`, typed or ``uint8``:
+
+        * ``layout="NHD"``: ``[num_pages, page_size, num_kv_heads, head_dim]``
+        * ``layout="HND"``: ``[num_pages, num_kv_heads, page_size, head_dim]``
+        * either layout: ``[num_slots, num_kv_heads, head_dim]``
+    block_table : jax.Array
+        ``[batch, pages_per_seq]`` int32 (int64 with ``jax_enable_x64``); may be traced (no
+        recompilation per content). Entries ``< 0``, equal to ``null_page``, or ``>= num_pages``
+        are padding.
+    key_scale, value_scale : None, float or jax.Array
+        As in :func:`write_kv`: ``out = round(fp32(decode(q)) * scale)``.
+    dtype : jnp.bfloat16 (default), jnp.float16 or jnp.float32
+    layout : {"NHD", "HND"}
+    fp8_format : {None, "e4m3", "e5m2"}
+    null_page : int, optional
+        A page id that also means padding (vLLM's null block is 0).
+
+    Returns
+    -------
+    key_pages, value_pages : jax.Array
+        ``[batch * pages_per_seq, ...page]`` in the cache's layout (NHD
+        ``[N, page_size, num_kv_heads, head_dim]``, HND ``[N, num_kv_heads, page_size, head_dim]``,
+        or ``[N, num_kv_heads, head_dim]``), ``dtype``: output page ``i`` is cache page
+        ``block_table.reshape(-1)[i]`` dequantized; padding entries give zero pages. NaN codes
+        give the canonical quiet NaN of ``dtype``.
+    new_block_table : jax.Array
+        ``arange(batch * pages_per_seq).reshape(batch, pages_per_seq)``, int32.
+
+    Note
+    ----
+    The caches are only read; the outputs are new arrays, every element of them written.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, fp8kv_jax
+    >>> cache = jnp.full((3, 2, 1, 4), 0x38, dtype=jnp.uint8)   # every byte is 1.0 in e4m3
+    >>> k, v, table = fp8kv_jax.dequantize_pages(cache, cache, jnp.array([[2, -1]]), key_scale=0.5)
+    >>> k[:, 0, 0].tolist(), table.tolist()
+    ([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], [[0, 1]])
+    """
+    return _dequantize((key_cache, value_cache), block_table, key_scale, value_scale, dtype,
+                       layout, fp8_format, null_page)
+
+
+def dequantize_pages_combined(kv_cache, block_table, key_scale=None, value_scale=None, *,
+                              dtype=jnp.bfloat16, layout="NHD", fp8_format=None, null_page=None):
+    """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
+
+    Parameters
+    ----------
+    kv_cache : jax.Array
+        ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD),
+        ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
+        ``[num_slots, 2, num_kv_heads, head_dim]``; K at index 0 of dim 1, V at index 1.
+
+    Other parameters are those of :func:`dequantize_pages`.
+
+    Returns
+    -------
+    kv_pages : jax.Array
+        ``[N, 2, page_size, num_kv_heads, head_dim]`` (NHD), ``[N, 2, num_kv_heads, page_size,
+        head_dim]`` (HND) or ``[N, 2, num_kv_heads, head_dim]``, ``dtype``, where
+        ``N = batch * pages_per_seq``; K at index 0 of dim 1, V at index 1.
+    new_block_table : jax.Array
+        ``[batch, pages_per_seq]`` int32.
+
+    Note
+    ----
+    The cache is only read; the outputs are new arrays.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, fp8kv_jax
+    >>> kv = jnp.full((2, 2, 1, 1, 2), 0xB8, dtype=jnp.uint8)   # -1.0 in e4m3
+    >>> pages, table = fp8kv_jax.dequantize_pages_combined(kv, jnp.array([[1]]))
+    >>> pages.shape, pages[0, 1, 0, 0].tolist()
+    ((1, 2, 1, 1, 2), [-1.0, -1.0])
+    """
+    return _dequantize((kv_cache,), block_table, key_scale, value_scale, dtype, layout,
+                       fp8_format, null_page)

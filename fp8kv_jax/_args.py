@@ -1,0 +1,104 @@
+"""JAX arrays -> the core's ArrayInfo -> validated arguments, and which path runs them.
+
+Validation is the core's (:mod:`fp8kv.validate`), so both frontends raise the same errors; how a
+kernel is launched is the core's plan (:mod:`fp8kv.plan`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8kv.arrays import ArrayInfo
+from fp8kv.validate import check_dequantize, check_write
+
+# JAX arrays have no strides and no per-array device the core could compare (jit places them):
+# every array is contiguous and lives on this one "device".
+DEVICE = "jax"
+
+
+def as_array(x, name: str):
+    """``x`` as a JAX array (a NumPy array is converted); anything else is a TypeError."""
+    if isinstance(x, jax.Array):
+        return x
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(x)
+    raise TypeError(f"{name}: expected a jax.Array, got {type(x).__name__}")
+
+
+def as_caches(caches) -> tuple:
+    """``(key_cache, value_cache)`` or ``(kv_cache,)`` as JAX arrays."""
+    names = ("key_cache", "value_cache") if len(caches) == 2 else ("kv_cache",)
+    return tuple(as_array(c, name) for c, name in zip(caches, names))
+
+
+def as_scale(scale, name: str):
+    """A scale as given, a NumPy array made a JAX array (the core checks the rest)."""
+    return as_array(scale, name) if isinstance(scale, np.ndarray) else scale
+
+
+def device_scale(scale):
+    """The scale array the kernel reads, or None for a host float (a plan scalar) or no scale."""
+    return scale if isinstance(scale, jax.Array) else None
+
+
+def info(x) -> ArrayInfo:
+    return ArrayInfo.contiguous(x.shape, jnp.dtype(x.dtype).name, DEVICE)
+
+
+def scale_arg(scale):
+    """A scale as the core sees it: None, a number, or an ArrayInfo."""
+    return info(scale) if isinstance(scale, jax.Array) else scale
+
+
+def dtype_name(dtype) -> str:
+    try:
+        return jnp.dtype(dtype).name
+    except TypeError:
+        raise TypeError(f"dtype: expected jnp.bfloat16, jnp.float16 or jnp.float32, got "
+                        f"{dtype!r}") from None
+
+
+def write_args(key, value, caches, slots, key_scale, value_scale, layout, fp8_format):
+    """``check_write`` on ``caches`` = ``(key_cache, value_cache)`` or ``(kv_cache,)``."""
+    combined = len(caches) == 1
+    return check_write(
+        info(key), info(value), None if combined else info(caches[0]),
+        None if combined else info(caches[1]), info(slots), scale_arg(key_scale),
+        scale_arg(value_scale), layout=layout, fp8_format=fp8_format,
+        kv_cache=info(caches[0]) if combined else None)
+
+
+def dequantize_args(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
+                    null_page):
+    """``check_dequantize`` on ``caches`` = ``(key_cache, value_cache)`` or ``(kv_cache,)``."""
+    combined = len(caches) == 1
+    return check_dequantize(
+        None if combined else info(caches[0]), None if combined else info(caches[1]),
+        info(block_table), scale_arg(key_scale), scale_arg(value_scale), dtype=dtype,
+        layout=layout, fp8_format=fp8_format, null_page=null_page,
+        kv_cache=info(caches[0]) if combined else None)
+
+
+def _is_cuda(device) -> bool:
+    # ROCm devices are "gpu" too, but the kernels are planned and tested for NVIDIA only.
+    return device.platform == "gpu" and "rocm" not in device.client.platform_version.lower()
+
+
+def _default_device():
+    """Where a trace's arrays will live: ``jax.default_device``, else the default backend."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.devices()[0]
+    return jax.devices(device)[0] if isinstance(device, str) else device
+
+
+def use_triton(arrays) -> bool:
+    """Whether the Triton kernels run these arrays: they live on an NVIDIA GPU.
+
+    Concrete arrays say where they live; under a trace (jit, shard_map) they will live on the
+    default device.
+    """
+    devices = {d for x in arrays if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+               for d in x.devices()}
+    return all(_is_cuda(d) for d in devices or {_default_device()})

@@ -1,0 +1,440 @@
+"""fp8kv_torch and fp8kv_jax give the same bytes, share caches through DLPack, and coexist.
+
+On a CPU-only machine the parity cases compare torch's Triton-interpreter kernels with JAX's jnp
+path; where torch and JAX both have an NVIDIA GPU, compiled Triton launched by torch with the same
+kernels launched by jax-triton. Tests marked ``gpu`` need that GPU and are skipped, with that
+reason, elsewhere. Run with ``-s`` (or read the JUnit properties) to see the recorded findings.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")  # both optional frameworks are needed here
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import fp8kv_jax  # noqa: E402
+import fp8kv_torch  # noqa: E402
+from cases import (DEQUANT_CASES, WRITE_CASES, WriteCase, as_uint, dequant_inputs,  # noqa: E402
+                   write_inputs)
+from fp8kv import ops, reference  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ON_GPU = torch.cuda.is_available() and jax.default_backend() == "gpu"
+NOT_GPU_REASON = (f"needs torch and JAX on an NVIDIA GPU (torch.cuda.is_available()="
+                  f"{torch.cuda.is_available()}, JAX backend {jax.default_backend()})")
+TORCH_DEVICE = "cuda" if ON_GPU else "cpu"
+JAX_DEVICE = jax.devices("gpu" if ON_GPU else "cpu")[0]
+
+# The CPU variant always runs; the CUDA one where both frameworks have the GPU.
+PLATFORMS = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not ON_GPU, reason=NOT_GPU_REASON)])]
+
+
+def jax_device(platform: str):
+    return jax.devices("gpu" if platform == "cuda" else "cpu")[0]
+
+
+def to_torch(a, device: str = TORCH_DEVICE):
+    """A NumPy array as a new torch-allocated tensor (bf16 / fp8 through their bits)."""
+    if not isinstance(a, np.ndarray):
+        return a
+    name = a.dtype.name
+    if name == "bfloat16":
+        t = torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    elif name.startswith("float8"):
+        t = torch.from_numpy(a.view(np.uint8)).view(getattr(torch, name))
+    else:
+        t = torch.from_numpy(a)
+    # A copy: torch writes in place, and its allocator aligns (XLA:CPU copies unaligned DLPack).
+    return t.to(device, copy=True)
+
+
+def to_jax(inputs: dict, device=JAX_DEVICE) -> dict:
+    return {k: jax.device_put(jnp.asarray(v), device) if isinstance(v, np.ndarray) else v
+            for k, v in inputs.items()}
+
+
+def torch_bytes(t) -> np.ndarray:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().copy()
+
+
+def assert_same_bytes(t, x):
+    """A torch tensor and a JAX array: same shape, dtype and bytes (NaN payloads included)."""
+    x = np.asarray(x)
+    assert (tuple(t.shape), str(t.dtype).removeprefix("torch.")) == (x.shape, x.dtype.name)
+    np.testing.assert_array_equal(torch_bytes(t), x.view(np.uint8))
+
+
+def write_kwargs(case):
+    return dict(layout=case.api_layout, fp8_format=case.fp8_format)
+
+
+def dequant_kwargs(case):
+    return dict(layout=case.api_layout, fp8_format=case.fp8_format, null_page=case.null_page)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every shared case through both frontends.
+
+@pytest.mark.parametrize("case", WRITE_CASES, ids=lambda c: c.id)
+def test_write_kv_parity(case):
+    inputs = write_inputs(case)
+    t = {k: to_torch(v) for k, v in inputs.items()}
+    fp8kv_torch.write_kv(**t, **write_kwargs(case))
+    with jax.default_device(JAX_DEVICE), jax.enable_x64(case.slots == "int64"):
+        out = fp8kv_jax.write_kv(**to_jax(inputs), **write_kwargs(case))
+    assert_same_bytes(t["key_cache"], out[0])
+    assert_same_bytes(t["value_cache"], out[1])
+
+
+@pytest.mark.parametrize("case", WRITE_CASES, ids=lambda c: c.id)
+def test_write_kv_combined_parity(case):
+    inputs = write_inputs(case)
+    inputs["kv_cache"] = np.stack([inputs.pop("key_cache"), inputs.pop("value_cache")], axis=1)
+    t = {k: to_torch(v) for k, v in inputs.items()}
+    fp8kv_torch.write_kv_combined(**t, **write_kwargs(case))
+    with jax.default_device(JAX_DEVICE), jax.enable_x64(case.slots == "int64"):
+        out = fp8kv_jax.write_kv_combined(**to_jax(inputs), **write_kwargs(case))
+    assert_same_bytes(t["kv_cache"], out)
+
+
+@pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: c.id)
+def test_dequantize_pages_parity(case):
+    inputs = dequant_inputs(case)
+    expected = fp8kv_torch.dequantize_pages(**{k: to_torch(v) for k, v in inputs.items()},
+                                            dtype=getattr(torch, case.out), **dequant_kwargs(case))
+    with jax.default_device(JAX_DEVICE):
+        got = fp8kv_jax.dequantize_pages(**to_jax(inputs), dtype=getattr(jnp, case.out),
+                                         **dequant_kwargs(case))
+    assert len(got) == len(expected) == 3
+    for t, x in zip(expected, got):
+        assert_same_bytes(t, x)
+
+
+@pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: c.id)
+def test_dequantize_pages_combined_parity(case):
+    inputs = dequant_inputs(case)
+    inputs["kv_cache"] = np.stack([inputs.pop("key_cache"), inputs.pop("value_cache")], axis=1)
+    expected = fp8kv_torch.dequantize_pages_combined(
+        **{k: to_torch(v) for k, v in inputs.items()}, dtype=getattr(torch, case.out),
+        **dequant_kwargs(case))
+    with jax.default_device(JAX_DEVICE):
+        got = fp8kv_jax.dequantize_pages_combined(**to_jax(inputs), dtype=getattr(jnp, case.out),
+                                                  **dequant_kwargs(case))
+    assert len(got) == len(expected) == 2
+    for t, x in zip(expected, got):
+        assert_same_bytes(t, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8kv_jax's GPU launch code, run on any machine: a stand-in for jax_triton.triton_call that checks
+# what jax-triton 0.3.1 requires and runs the kernel in Triton's interpreter (in torch's place).
+
+def _interpreted_triton_call(*args, kernel, out_shape, grid, num_warps, input_output_aliases,
+                             **constexprs):
+    arrays = [a for a in args if isinstance(a, jax.Array)]
+    scalars = args[len(arrays):]
+    # jax-triton takes arrays, then scalars; it types Python ints by value and np.float32 as fp32
+    # (a Python float would be fp64, a NumPy int an array).
+    assert all(not isinstance(s, jax.Array) for s in scalars), "an array after a scalar"
+    assert all(type(s) in (int, np.float32) for s in scalars), [type(s) for s in scalars]
+    for i, o in input_output_aliases.items():
+        assert (arrays[i].shape, arrays[i].dtype) == (out_shape[o].shape, out_shape[o].dtype)
+
+    def run(*host):
+        tensors = [to_torch(np.array(a), "cpu") for a in host]  # callback arrays are read-only
+        aliased = {o: i for i, o in input_output_aliases.items()}
+        outs = [tensors[aliased[o]].clone() if o in aliased else
+                to_torch(np.zeros(out.shape, out.dtype), "cpu") for o, out in enumerate(out_shape)]
+        # EXACT: the interpreter rounds like the GPU only on the exact (bit arithmetic) path.
+        ops.interpreted(kernel)[grid](*tensors, *(s.item() if isinstance(s, np.float32) else s
+                                                  for s in scalars), *outs,
+                                      num_warps=num_warps, **{**constexprs, "EXACT": True})
+        return tuple(torch_bytes(t).view(np.dtype(out.dtype)).reshape(out.shape)
+                     for t, out in zip(outs, out_shape))
+
+    return jax.pure_callback(run, tuple(out_shape), *arrays)
+
+
+@pytest.fixture
+def interpreted_gpu_path(monkeypatch):
+    """fp8kv_jax takes its GPU path, with jax-triton replaced by the interpreter stand-in."""
+    import fp8kv_jax._args
+    import fp8kv_jax._triton
+
+    monkeypatch.setattr(fp8kv_jax._args, "use_triton", lambda arrays: True)
+    monkeypatch.setattr(fp8kv_jax._triton, "jax_triton",
+                        lambda: types.SimpleNamespace(triton_call=_interpreted_triton_call))
+
+
+GLUE_WRITE_CASES = [WRITE_CASES[i] for i in (0, 2, 5, 6, 8)]
+GLUE_DEQUANT_CASES = [DEQUANT_CASES[i] for i in (0, 2, 3, 4, 5, 6)]
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+@pytest.mark.parametrize("case", GLUE_WRITE_CASES, ids=lambda c: c.id)
+def test_gpu_write_launch_in_interpreter(case, combined, interpreted_gpu_path):
+    inputs = write_inputs(case)
+    expected = reference.write_kv(**inputs, **write_kwargs(case))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu), jax.enable_x64(case.slots == "int64"):
+        if combined:
+            inputs["kv_cache"] = np.stack([inputs.pop("key_cache"), inputs.pop("value_cache")], 1)
+            got = [fp8kv_jax.write_kv_combined(**to_jax(inputs, cpu), **write_kwargs(case))]
+            expected = [np.stack(expected, axis=1)]
+        else:
+            got = fp8kv_jax.write_kv(**to_jax(inputs, cpu), **write_kwargs(case))
+    for g, want in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(as_uint(np.asarray(g)), as_uint(want))
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+@pytest.mark.parametrize("case", GLUE_DEQUANT_CASES, ids=lambda c: c.id)
+def test_gpu_dequantize_launch_in_interpreter(case, combined, interpreted_gpu_path):
+    inputs = dequant_inputs(case)
+    k, v, table = reference.dequantize_pages(**inputs, dtype=case.out, **dequant_kwargs(case))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        if combined:
+            inputs["kv_cache"] = np.stack([inputs.pop("key_cache"), inputs.pop("value_cache")], 1)
+            got = fp8kv_jax.dequantize_pages_combined(**to_jax(inputs, cpu), dtype=case.out,
+                                                      **dequant_kwargs(case))
+            expected = (np.stack([k, v], axis=1), table)
+        else:
+            got = fp8kv_jax.dequantize_pages(**to_jax(inputs, cpu), dtype=case.out,
+                                             **dequant_kwargs(case))
+            expected = (k, v, table)
+    for g, want in zip(got, expected, strict=True):
+        g = np.asarray(g)
+        assert (g.shape, g.dtype) == (want.shape, want.dtype)
+        np.testing.assert_array_equal(as_uint(g), as_uint(want))
+
+
+# ---------------------------------------------------------------------------------------------
+# Both frontends reject bad input with the same error (the core's).
+
+_K = np.zeros((3, 2, 8), np.float32)
+_CACHE = np.zeros((4, 16, 2, 8), np.uint8)
+_SLOTS = np.arange(3, dtype=np.int32)
+_TABLE = np.zeros((2, 3), np.int32)
+
+
+
+def _write(api, a, key=_K, value=_K, key_cache=_CACHE, value_cache=_CACHE, slots=_SLOTS, *scales,
+           **kwargs):
+    return api.write_kv(a(key), a(value), a(key_cache), a(value_cache), a(slots),
+                        *(a(s) if isinstance(s, np.ndarray) else s for s in scales), **kwargs)
+
+
+BAD_CALLS = {
+    "key-dtype": lambda api, a: _write(api, a, key=_K.astype(np.int32)),
+    "value-rank": lambda api, a: _write(api, a, value=_K[0]),
+    "cache-shapes": lambda api, a: _write(api, a, value_cache=_CACHE[:2]),
+    "heads": lambda api, a: _write(api, a, _K[:, :1], _K[:, :1]),
+    "layout": lambda api, a: _write(api, a, layout="nhd"),
+    "format": lambda api, a: _write(api, a, fp8_format="fp8"),
+    "slots-shape": lambda api, a: _write(api, a, slots=_SLOTS[:1]),
+    "scale-shape": lambda api, a: _write(api, a, _K, _K, _CACHE, _CACHE, _SLOTS,
+                                         np.ones(5, np.float32)),
+    "scale-value": lambda api, a: _write(api, a, _K, _K, _CACHE, _CACHE, _SLOTS, None, 0.0),
+    "combined-shape": lambda api, a: api.write_kv_combined(a(_K), a(_K), a(_CACHE), a(_SLOTS)),
+    "table-rank": lambda api, a: api.dequantize_pages(a(_CACHE), a(_CACHE), a(_TABLE[0])),
+    "null-page": lambda api, a: api.dequantize_pages(a(_CACHE), a(_CACHE), a(_TABLE),
+                                                     null_page="0"),
+}
+
+
+def _error(call):
+    with pytest.raises((TypeError, ValueError)) as info:
+        call()
+    return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name", BAD_CALLS)
+def test_same_errors(name):
+    call = BAD_CALLS[name]
+    with jax.default_device(JAX_DEVICE):
+        jax_error = _error(lambda: call(fp8kv_jax, lambda a: jax.device_put(a, JAX_DEVICE)))
+    assert _error(lambda: call(fp8kv_torch, to_torch)) == jax_error
+
+
+# ---------------------------------------------------------------------------------------------
+# DLPack: zero-copy handoff both ways, and a cache shared across donated writes.
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "uint8"])
+def test_dlpack_torch_to_jax_is_zero_copy(platform, dtype):
+    t = (torch.arange(4096, device=platform) % 256).to(torch.uint8).view(getattr(torch, dtype))
+    x = jax.dlpack.from_dlpack(t)
+    assert x.devices() == {jax_device(platform)}
+    assert x.dtype == jnp.dtype(dtype) and x.shape == tuple(t.shape)
+    assert x.unsafe_buffer_pointer() == t.data_ptr()
+    assert_same_bytes(t, x)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "uint8"])
+def test_dlpack_jax_to_torch_is_zero_copy(platform, dtype):
+    codes = jax.device_put((jnp.arange(4096) % 256).astype(jnp.uint8), jax_device(platform))
+    x = jax.lax.bitcast_convert_type(codes, jnp.dtype(dtype))
+    t = torch.from_dlpack(x)
+    assert t.device.type == platform and t.dtype == getattr(torch, dtype)
+    assert t.data_ptr() == x.unsafe_buffer_pointer()
+    assert_same_bytes(t, x)
+
+
+CACHES = ("key_cache", "value_cache")
+
+
+def _write_shared(step, args, caches, torch_views, expected):
+    """A donated write whose caches torch also sees: what happened (checked consistent), result."""
+    before = [torch_bytes(t) for t in torch_views]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = jax.block_until_ready(step(*args[:2], *caches, *args[2:]))
+        except Exception as e:  # noqa: BLE001 -- whether JAX refuses is the finding
+            return f"raises {type(e).__name__}: {str(e).strip().splitlines()[0]}", None
+    for got, want in zip(out, expected):  # JAX's own result is right in any case
+        np.testing.assert_array_equal(as_uint(np.asarray(got)), as_uint(want))
+    in_place = [o.unsafe_buffer_pointer() == t.data_ptr() for o, t in zip(out, torch_views)]
+    for aliased, t, old, want in zip(in_place, torch_views, before, expected):
+        # Never a half state: torch sees either JAX's write (same buffer) or its old bytes.
+        np.testing.assert_array_equal(torch_bytes(t), as_uint(want) if aliased else old)
+    outcome = ("in place: torch sees the write" if all(in_place) else
+               "copied: torch's tensors keep their old bytes" if not any(in_place) else
+               f"mixed: in place per cache {in_place}")
+    notes = sorted({str(w.message).splitlines()[0] for w in caught})
+    return outcome + (f" (warnings: {notes})" if notes else ""), out
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_dlpack_cache_shared_with_torch_across_donated_writes(platform, record_property):
+    """Records how a cache shared with torch behaves under ``jit(write_kv, donate_argnums=(2, 3))``.
+
+    Findings (printed, and JUnit properties): (1) a torch-owned cache imported with
+    ``jax.dlpack.from_dlpack``; (2) a JAX-owned cache while torch holds a DLPack view of it. The
+    pattern asserted to work: JAX owns the cache, each step's returned cache is read by torch
+    through DLPack without a copy, and that view is dropped before the next donated step.
+    """
+    device = jax_device(platform)
+    case = WriteCase(tokens=9, heads=2, head_dim=64, page_size=16, slots="int32")
+    first, second = write_inputs(case, seed=0), write_inputs(case, seed=1)
+    expected_first = reference.write_kv(**first)
+    expected_second = reference.write_kv(**{**second, "key_cache": expected_first[0],
+                                            "value_cache": expected_first[1]})
+    step = jax.jit(fp8kv_jax.write_kv, donate_argnums=(2, 3))
+    names = ("key", "value", "slots", "key_scale", "value_scale")
+    findings = {}
+    with jax.default_device(device):
+        args_first = [to_jax(first, device)[n] for n in names]
+        args_second = [to_jax(second, device)[n] for n in names]
+
+        # (1) torch owns the cache.
+        views = [to_torch(first[n], platform) for n in CACHES]
+        caches = [jax.dlpack.from_dlpack(t) for t in views]
+        assert [c.unsafe_buffer_pointer() for c in caches] == [t.data_ptr() for t in views]
+        findings["torch-owned cache, donated"], _ = _write_shared(step, args_first, caches, views,
+                                                                   expected_first)
+
+        # (2) JAX owns the cache and torch holds a view of it during the donated write.
+        caches = [jax.device_put(jnp.asarray(first[n]), device) for n in CACHES]
+        views = [torch.from_dlpack(c) for c in caches]
+        findings["JAX-owned cache, torch view held, donated"], _ = _write_shared(
+            step, args_first, caches, views, expected_first)
+        del views
+
+        # The working pattern: torch reads each step's result through DLPack, then lets go.
+        caches = [jax.device_put(jnp.asarray(first[n]), device) for n in CACHES]
+        pointers = [c.unsafe_buffer_pointer() for c in caches]
+        for args, expected in ((args_first, expected_first), (args_second, expected_second)):
+            caches = jax.block_until_ready(step(*args[:2], *caches, *args[2:]))
+            views = [torch.from_dlpack(c) for c in caches]
+            seen = [(t.data_ptr(), torch_bytes(t)) for t in views]
+            del views  # a live torch view makes XLA copy instead of donating, silently
+            assert [ptr for ptr, _ in seen] == pointers  # in place, and no copy for torch
+            for (_, got), want in zip(seen, expected):
+                np.testing.assert_array_equal(got, as_uint(want))
+    for name, outcome in findings.items():
+        print(f"FINDING[{platform}] {name}: {outcome}")
+        record_property(f"{platform}: {name}", outcome)
+
+
+# ---------------------------------------------------------------------------------------------
+# Import order: jax-triton's TRITON_CACHE_DIR change must not break torch-side launches.
+
+_ORDER_SCRIPT = """
+import os, sys
+import numpy as np
+from cases import WriteCase, as_uint, write_inputs
+from fp8kv import reference
+
+PLATFORM = {platform!r}
+saved = os.environ.get("TRITON_CACHE_DIR")
+CASES = [WriteCase(tokens=9, heads=2, head_dim=64, page_size=16, slots="int32"),
+         WriteCase(tokens=5, heads=4, head_dim=32, page_size=8, layout="HND", fmt="e5m2",
+                   scale="head", slots="int32")]
+
+
+def jax_write(case):
+    import jax, jax.numpy as jnp, fp8kv_jax
+    inputs = write_inputs(case)
+    out = fp8kv_jax.write_kv(**{{k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+                                for k, v in inputs.items()}}, layout=case.layout)
+    for got, want in zip(out, reference.write_kv(**inputs, layout=case.layout)):
+        np.testing.assert_array_equal(as_uint(np.asarray(got)), as_uint(want))
+    assert ("jax_triton" in sys.modules) == (PLATFORM == "cuda"), "not the expected JAX path"
+    assert os.environ.get("TRITON_CACHE_DIR") == saved, "the JAX path changed TRITON_CACHE_DIR"
+
+
+def torch_write(case):
+    import torch, fp8kv_torch
+    inputs = write_inputs(case)
+    t = {{}}
+    for k, v in inputs.items():
+        if isinstance(v, np.ndarray):
+            bits = v.view({{1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}}[v.itemsize])
+            v = torch.from_numpy(bits.copy()).view(getattr(torch, v.dtype.name)).to(PLATFORM)
+        t[k] = v
+    fp8kv_torch.write_kv(**t, layout=case.layout)
+    expected = reference.write_kv(**inputs, layout=case.layout)
+    for name, want in zip(("key_cache", "value_cache"), expected):
+        got = t[name].cpu().view(torch.uint8).numpy()
+        np.testing.assert_array_equal(got, want.view(np.uint8))
+
+
+for step, case in {steps}:
+    step(CASES[case])
+print("OK")
+"""
+
+# Each order ends with a torch launch of a kernel specialization not compiled before in that
+# process, so that Triton needs its cache dir after jax-triton was imported.
+ORDERS = {
+    "jax-first": "[(jax_write, 0), (torch_write, 0), (torch_write, 1)]",
+    "torch-first": "[(torch_write, 0), (jax_write, 0), (jax_write, 1), (torch_write, 1)]",
+}
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_import_order(platform, order):
+    path = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    script = _ORDER_SCRIPT.format(platform=platform, steps=ORDERS[order])
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("OK")
