@@ -19,7 +19,7 @@ SCALE_VALUE: tl.constexpr = tl.constexpr(validate.SCALE_VALUE)
 SCALE_TENSOR: tl.constexpr = tl.constexpr(validate.SCALE_TENSOR)
 SCALE_HEAD: tl.constexpr = tl.constexpr(validate.SCALE_HEAD)
 _INF: tl.constexpr = tl.constexpr(float("inf"))
-_NAN: tl.constexpr = tl.constexpr(float("nan"))
+# No NaN constexpr: Triton re-checks a kernel's globals on every launch with `!=`, and NaN != NaN.
 
 
 @jit
@@ -107,11 +107,12 @@ def fp8_code_to_fp32(code, E5M2: tl.constexpr, EXACT: tl.constexpr):
         man = mag & ((1 << MAN_BITS) - 1)
         normal = (((exp + (127 - BIAS)) << 23) | (man << (23 - MAN_BITS))).to(tl.float32, bitcast=True)
         value = tl.where(exp == 0, man.to(tl.float32) * SUBNORMAL_UNIT, normal)
+        quiet_nan = (mag | 0x7FC00000).to(tl.float32, bitcast=True)
         if E5M2:
             value = tl.where(mag == 0x7C, _INF, value)
-            value = tl.where(mag > 0x7C, _NAN, value)
+            value = tl.where(mag > 0x7C, quiet_nan, value)
         else:
-            value = tl.where(mag == 0x7F, _NAN, value)
+            value = tl.where(mag == 0x7F, quiet_nan, value)
         # Set the sign with bits: Triton lowers -x as 0 - x, which loses -0.
         sign = (code & 0x80) << 24
         value = (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
