@@ -8,6 +8,7 @@ from fp8kv import plan
 from fp8kv.validate import check_write
 from fp8kv_torch._launch import info, scale_arg
 
+from . import latency
 from .common import Config, Timer, free_memory
 from .dequant import build_dequant_case
 from .results import Table, tokens_case
@@ -82,6 +83,31 @@ def _sweep_dequant(device, cfg: Config, timer: Timer, backend: str, mode: str) -
     return table
 
 
+HINTS = (("", ""), ("evict_first", ""), ("", ".cs"), ("evict_first", ".cs"))
+
+
+def _sweep_cache_hints(device, cfg: Config, timer: Timer, backend: str, mode: str) -> Table:
+    """Load eviction policy x store cache modifier, write at the largest size and dequantize."""
+    table = Table("sweep_hints", "Sweep: cache hints (load eviction policy / store modifier)",
+                  "`load_evict` / `store_cache` entries of the size tables (Triton's "
+                  "`eviction_policy` / `cache_modifier`); default tiles.", plot="bars", sort=True)
+    tokens = max(cfg.sweep_write_tokens)
+    write = build_write_case(device, cfg, tokens)
+    batch, pages_per_seq, name = cfg.sweep_dequant
+    deq = build_dequant_case(device, cfg, batch, pages_per_seq)
+    for load_evict, store_cache in HINTS:
+        hint = f"{load_evict or 'default'} / {store_cache or 'default'}"
+        with planned_with(plan.WRITE_SIZES, backend, plan.plan_write.cache_clear,
+                          load_evict=load_evict, store_cache=store_cache):
+            table.add(f"write {tokens_case(tokens)}: {hint}", tokens, "fp8kv", mode,
+                      timer.time(mode, write.fp8kv_calls(), sweep=True), write.nbytes)
+        with planned_with(plan.DEQUANT_SIZES, backend, plan.plan_dequantize.cache_clear,
+                          load_evict=load_evict, store_cache=store_cache):
+            table.add(f"dequant {name}: {hint}", batch * pages_per_seq, "fp8kv", mode,
+                      timer.time(mode, deq.fp8kv_calls(), sweep=True), deq.nbytes)
+    return table
+
+
 def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
     table = Table("sweep_exact", "Sweep: bit-exact software conversions vs hardware conversions",
                   "`exact`: the integer-arithmetic conversions the CPU interpreter needs "
@@ -115,3 +141,8 @@ def sweep_tables(device, cfg: Config, timer: Timer):
     free_memory()
     yield _exact_vs_fast(device, cfg, timer, mode)
     free_memory()
+    yield _sweep_cache_hints(device, cfg, timer, backend, mode)
+    free_memory()
+    if timer.cuda:
+        yield latency.table_latency_floor(device, cfg, timer)
+        free_memory()

@@ -16,13 +16,14 @@ INTERPRET, CUDA = "interpret", "cuda"
 # Elements per program (per K or V) and warps, per backend. The interpreter runs one program at a
 # time at ~2 ms each, so it gets big tiles; on the GPU a tile of 2048 gives each thread of 4 warps
 # two 16-byte loads of K and two of V in flight (H200 tuning: bench/NOTES.md).
+# load_evict / store_cache: Triton's eviction_policy / cache_modifier for the streamed data.
 WRITE_SIZES = {
-    CUDA: dict(tile=2048, max_block_hd=4096, num_warps=4),
-    INTERPRET: dict(tile=1 << 16, max_block_hd=1 << 16, num_warps=1),
+    CUDA: dict(tile=2048, max_block_hd=4096, num_warps=4, load_evict="", store_cache=""),
+    INTERPRET: dict(tile=1 << 16, max_block_hd=1 << 16, num_warps=1, load_evict="", store_cache=""),
 }
 DEQUANT_SIZES = {
-    CUDA: dict(block=4096, num_warps=4),
-    INTERPRET: dict(block=1 << 16, num_warps=1),
+    CUDA: dict(block=4096, num_warps=4, load_evict="", store_cache=""),
+    INTERPRET: dict(block=1 << 16, num_warps=1, load_evict="", store_cache=""),
 }
 
 
@@ -55,6 +56,15 @@ class LaunchPlan:
     @property
     def empty(self) -> bool:
         return any(g == 0 for g in self.grid)
+
+
+def pow2_divisor(*values: int, cap: int = 16) -> int:
+    """The largest power of two, at most ``cap``, dividing every value (0 is divisible by all)."""
+    align = cap
+    for v in values:
+        while v % align:
+            align //= 2
+    return align
 
 
 def _int_type(v: int) -> str:
@@ -96,6 +106,11 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None,
         ("KEY_PACKED", key.strides[1] == kc.head_dim or kc.num_heads == 1),
         ("VALUE_PACKED", value.strides[1] == kc.head_dim or kc.num_heads == 1),
         ("CACHE_PACKED", kc.packed_rows and vc.packed_rows),
+        ("IN_ALIGN", pow2_divisor(key.strides[0], value.strides[0], key.strides[1],
+                                  value.strides[1])),
+        ("CACHE_ALIGN", pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
+                                     vc.stride_slot, vc.stride_head, args.value_offset)),
+        ("LOAD_EVICT", sizes["load_evict"]), ("STORE_CACHE", sizes["store_cache"]),
     )
     return LaunchPlan((cdiv(args.num_tokens, block_t),), num_warps, constexprs, scalars, types)
 
@@ -148,6 +163,10 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
         ("HAS_NULL_PAGE", args.null_page is not None),
         ("IN_PACKED", kc.packed_pages(args.layout) and vc.packed_pages(args.layout)),
         ("OUT_PACKED", out_packed),
+        ("IN_ALIGN", pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
+                                  vc.stride_slot, vc.stride_head, args.value_in_offset)),
+        ("OUT_ALIGN", pow2_divisor(*ko, *vo)),
+        ("LOAD_EVICT", sizes["load_evict"]), ("STORE_CACHE", sizes["store_cache"]),
     )
     grid = (num_entries, cdiv(page_elems, block)) if num_entries else (0,)
     return LaunchPlan(grid, sizes["num_warps"], constexprs, scalars, types)

@@ -25,8 +25,12 @@ POINTER_TYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32",
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_hopper(kernel, input_dtypes, output_dtypes, plan):
-    """Compile like a launch with 16-byte-aligned tensors would (Triton's default specialization)."""
+def compile_for_hopper(kernel, input_dtypes, output_dtypes, plan, int_divisibility=True):
+    """Compile like a launch with 16-byte-aligned tensors would (Triton's default specialization).
+
+    ``int_divisibility=False`` compiles as jax-triton does: integer arguments carry no
+    divisibility-by-16 attribute.
+    """
     params = ([(POINTER_TYPES[d], None) for d in input_dtypes] + list(zip(plan.scalar_types, plan.scalars))
               + [(POINTER_TYPES[d], None) for d in output_dtypes])
     constexprs = plan.constexprs
@@ -41,7 +45,7 @@ def compile_for_hopper(kernel, input_dtypes, output_dtypes, plan):
             signature[name], consts[(index,)] = "constexpr", 1
             continue
         signature[name] = ty
-        if ty.startswith("*") or (isinstance(value, int) and value % 16 == 0):
+        if ty.startswith("*") or (int_divisibility and isinstance(value, int) and value % 16 == 0):
             attrs[(index,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=HOPPER, options=dict(num_warps=plan.num_warps))
@@ -118,3 +122,33 @@ def test_dequantize_kernel_compiles_for_sm90(case, exact, combined):
     kernel = ops._dequantize_pages_combined_kernel if combined else ops._dequantize_pages_kernel
     found = ptx_ops(compile_for_hopper(kernel, inputs, outputs, plan))
     assert "ftz" not in " ".join(found)
+
+
+@pytest.mark.parametrize("int_divisibility", [True, False], ids=["torch-style", "jax-triton-style"])
+def test_default_shapes_get_16_byte_accesses(int_divisibility):
+    """8 heads x 128, page 16, bf16: 16-byte loads and stores, also where jax-triton launches.
+
+    The plan's alignment constexprs (``tl.multiple_of``) carry what the integer specialization
+    would; without them the jax-triton build fell back to byte stores (H200: 137 us vs 100 us).
+    """
+    x = ArrayInfo.contiguous((4096, 8, 128), "bfloat16", "cuda:0")
+    cache = ArrayInfo.contiguous((300, 16, 8, 128), "float8_e4m3fn", "cuda:0")
+    slots = ArrayInfo.contiguous((4096,), "int32", "cuda:0")
+    scale = ArrayInfo.contiguous((), "float32", "cuda:0")
+    plan = plan_write(check_write(x, x, cache, cache, slots, scale, scale, layout="NHD",
+                                  fp8_format=None), CUDA)
+    found = ptx_ops(compile_for_hopper(
+        ops._write_kv_kernel, ["bfloat16", "bfloat16", "float8_e4m3fn", "float8_e4m3fn", "int32",
+                               "float32", "float32"], ["float8_e4m3fn"] * 2, plan, int_divisibility))
+    assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, found
+
+    table = ArrayInfo.contiguous((16, 512), "int32", "cuda:0")
+    args = check_dequantize(cache, cache, table, scale, scale, dtype="bfloat16", layout="NHD",
+                            fp8_format=None, null_page=None)
+    out = ArrayInfo.contiguous(dequantized_shape(args, False), "bfloat16", "cuda:0")
+    plan = plan_dequantize(args, out, out, CUDA)
+    found = ptx_ops(compile_for_hopper(
+        ops._dequantize_pages_kernel, ["float8_e4m3fn", "float8_e4m3fn", "int32", "float32",
+                                       "float32"], ["bfloat16", "bfloat16", "int32"], plan,
+        int_divisibility))
+    assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, found

@@ -40,12 +40,13 @@ def _dequantize_body(
     num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
     stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
     stride_ko_page, stride_ko_slot, stride_ko_head, stride_vo_page, stride_vo_slot, stride_vo_head,
-    key_scale_value, value_scale_value,
+    value_out_offset, key_scale_value, value_scale_value,
     key_out_ptr, value_out_ptr, new_table_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HND: tl.constexpr,
     BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
-    IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr,
+    IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr,
+    OUT_ALIGN: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     entry = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -60,13 +61,17 @@ def _dequantize_body(
     j = chunk * BLOCK + tl.arange(0, BLOCK)
     in_page = j < PAGE_ELEMS
     load_mask = in_page & valid
-    kc_off = page * stride_kc_page + _page_offsets(j, stride_kc_slot, stride_kc_head, NUM_HEADS,
-                                                   HEAD_DIM, PAGE_SIZE, HND, IN_PACKED)
-    vc_off = page * stride_vc_page + _page_offsets(j, stride_vc_slot, stride_vc_head, NUM_HEADS,
-                                                   HEAD_DIM, PAGE_SIZE, HND, IN_PACKED)
-    key_codes = tl.load(key_cache_ptr.to(tl.pointer_type(tl.uint8)) + kc_off, mask=load_mask, other=0)
-    value_codes = tl.load(value_cache_ptr.to(tl.pointer_type(tl.uint8)) + value_in_offset + vc_off,
-                          mask=load_mask, other=0)
+    # Alignment promises from the plan (see write_kv): keep 16-byte accesses under jax-triton.
+    kc_base = tl.multiple_of(page * stride_kc_page, IN_ALIGN)
+    vc_base = tl.multiple_of(page * stride_vc_page + value_in_offset, IN_ALIGN)
+    kc_off = kc_base + _page_offsets(j, stride_kc_slot, stride_kc_head, NUM_HEADS, HEAD_DIM,
+                                     PAGE_SIZE, HND, IN_PACKED)
+    vc_off = vc_base + _page_offsets(j, stride_vc_slot, stride_vc_head, NUM_HEADS, HEAD_DIM,
+                                     PAGE_SIZE, HND, IN_PACKED)
+    key_codes = tl.load(key_cache_ptr.to(tl.pointer_type(tl.uint8)) + kc_off, mask=load_mask,
+                        other=0, eviction_policy=LOAD_EVICT)
+    value_codes = tl.load(value_cache_ptr.to(tl.pointer_type(tl.uint8)) + vc_off, mask=load_mask,
+                          other=0, eviction_policy=LOAD_EVICT)
 
     if HND:
         head = j // (PAGE_SIZE * HEAD_DIM)
@@ -82,16 +87,18 @@ def _dequantize_body(
     k_bits = tl.where(valid, fp32_to_output_bits(k, OUT_KIND, EXACT), 0)
     v_bits = tl.where(valid, fp32_to_output_bits(v, OUT_KIND, EXACT), 0)
 
-    ko_off = entry * stride_ko_page + _page_offsets(j, stride_ko_slot, stride_ko_head, NUM_HEADS,
-                                                    HEAD_DIM, PAGE_SIZE, HND, OUT_PACKED)
-    vo_off = entry * stride_vo_page + _page_offsets(j, stride_vo_slot, stride_vo_head, NUM_HEADS,
-                                                    HEAD_DIM, PAGE_SIZE, HND, OUT_PACKED)
+    ko_off = tl.multiple_of(entry * stride_ko_page, OUT_ALIGN) + _page_offsets(
+        j, stride_ko_slot, stride_ko_head, NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, OUT_PACKED)
+    vo_off = tl.multiple_of(entry * stride_vo_page + value_out_offset, OUT_ALIGN) + _page_offsets(
+        j, stride_vo_slot, stride_vo_head, NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, OUT_PACKED)
     if OUT_KIND == 2:
         bits_ty: tl.constexpr = tl.uint32
     else:
         bits_ty: tl.constexpr = tl.uint16
-    tl.store(key_out_ptr.to(tl.pointer_type(bits_ty)) + ko_off, k_bits.to(bits_ty), mask=in_page)
-    tl.store(value_out_ptr.to(tl.pointer_type(bits_ty)) + vo_off, v_bits.to(bits_ty), mask=in_page)
+    tl.store(key_out_ptr.to(tl.pointer_type(bits_ty)) + ko_off, k_bits.to(bits_ty), mask=in_page,
+             cache_modifier=STORE_CACHE)
+    tl.store(value_out_ptr.to(tl.pointer_type(bits_ty)) + vo_off, v_bits.to(bits_ty), mask=in_page,
+             cache_modifier=STORE_CACHE)
     if chunk == 0:
         tl.store(new_table_ptr + entry, entry.to(tl.int32))
 
@@ -107,7 +114,8 @@ def _dequantize_pages_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HND: tl.constexpr,
     BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
-    IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr,
+    IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr,
+    OUT_ALIGN: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     """Separate K and V outputs."""
     _dequantize_body(
@@ -115,9 +123,9 @@ def _dequantize_pages_kernel(
         num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
         stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
         stride_ko_page, stride_ko_slot, stride_ko_head, stride_vo_page, stride_vo_slot, stride_vo_head,
-        key_scale_value, value_scale_value, key_out_ptr, value_out_ptr, new_table_ptr,
+        0, key_scale_value, value_scale_value, key_out_ptr, value_out_ptr, new_table_ptr,
         NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, BLOCK, K_SCALE_MODE, V_SCALE_MODE, E5M2, OUT_KIND, EXACT,
-        HAS_NULL_PAGE, IN_PACKED, OUT_PACKED)
+        HAS_NULL_PAGE, IN_PACKED, OUT_PACKED, IN_ALIGN, OUT_ALIGN, LOAD_EVICT, STORE_CACHE)
 
 
 @jit
@@ -131,7 +139,8 @@ def _dequantize_pages_combined_kernel(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HND: tl.constexpr,
     BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
-    IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr,
+    IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr,
+    OUT_ALIGN: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     """One ``[N, 2, ...]`` output (FlashInfer's TRT-LLM layout): V lives ``value_out_offset`` after K."""
     _dequantize_body(
@@ -139,6 +148,6 @@ def _dequantize_pages_combined_kernel(
         num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
         stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
         stride_ko_page, stride_ko_slot, stride_ko_head, stride_ko_page, stride_ko_slot, stride_ko_head,
-        key_scale_value, value_scale_value, kv_out_ptr, kv_out_ptr + value_out_offset, new_table_ptr,
+        value_out_offset, key_scale_value, value_scale_value, kv_out_ptr, kv_out_ptr, new_table_ptr,
         NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, BLOCK, K_SCALE_MODE, V_SCALE_MODE, E5M2, OUT_KIND, EXACT,
-        HAS_NULL_PAGE, IN_PACKED, OUT_PACKED)
+        HAS_NULL_PAGE, IN_PACKED, OUT_PACKED, IN_ALIGN, OUT_ALIGN, LOAD_EVICT, STORE_CACHE)

@@ -23,10 +23,17 @@ def _write_rows(key_ptr, value_ptr, key_dst_ptr, value_dst_ptr, key_scale_ptr, v
                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr,
                 K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr,
                 EXACT: tl.constexpr, KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr,
-                CACHE_PACKED: tl.constexpr):
+                CACHE_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr,
+                LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
     key_dst = key_dst_ptr.to(tl.pointer_type(tl.uint8))
     value_dst = value_dst_ptr.to(tl.pointer_type(tl.uint8))
     ROW: tl.constexpr = NUM_HEADS * HEAD_DIM
+    # The plan's alignment promises: jax-triton does not specialize integer arguments on
+    # divisibility as torch-side launches do, and without them no access is 16 bytes wide.
+    # (A promise must be made where its value is computed: key_row / value_row are made so by
+    # the kernels.)
+    key_in = tl.multiple_of(tok * stride_kt, IN_ALIGN)
+    value_in = tl.multiple_of(tok * stride_vt, IN_ALIGN)
     for start in tl.static_range(0, ROW, BLOCK_HD):
         col = start + tl.arange(0, BLOCK_HD)
         col_mask = col < ROW
@@ -34,16 +41,17 @@ def _write_rows(key_ptr, value_ptr, key_dst_ptr, value_dst_ptr, key_scale_ptr, v
         dim = col % HEAD_DIM
         # Packed rows (head stride == HEAD_DIM) address by `col` alone, which keeps the
         # compiler's contiguity proof and so 16-byte accesses.
-        k_col = col if KEY_PACKED else head * stride_kh + dim
-        v_col = col if VALUE_PACKED else head * stride_vh + dim
-        kc_col = col if CACHE_PACKED else head * stride_kc_head + dim
-        vc_col = col if CACHE_PACKED else head * stride_vc_head + dim
+        k_col = col if KEY_PACKED else tl.multiple_of(head * stride_kh, IN_ALIGN) + dim
+        v_col = col if VALUE_PACKED else tl.multiple_of(head * stride_vh, IN_ALIGN) + dim
+        kc_col = col if CACHE_PACKED else tl.multiple_of(head * stride_kc_head, CACHE_ALIGN) + dim
+        vc_col = col if CACHE_PACKED else tl.multiple_of(head * stride_vc_head, CACHE_ALIGN) + dim
         # Loads do not wait for the slots (one DRAM round trip instead of two for small batches);
         # only the stores are masked by them.
         load_mask = in_range[:, None] & col_mask[None, :]
         mask = keep[:, None] & col_mask[None, :]
-        xk = load_as_fp32(key_ptr, tok[:, None] * stride_kt + k_col[None, :], load_mask, EXACT)
-        xv = load_as_fp32(value_ptr, tok[:, None] * stride_vt + v_col[None, :], load_mask, EXACT)
+        xk = load_as_fp32(key_ptr, key_in[:, None] + k_col[None, :], load_mask, EXACT, LOAD_EVICT)
+        xv = load_as_fp32(value_ptr, value_in[:, None] + v_col[None, :], load_mask, EXACT,
+                          LOAD_EVICT)
         if K_SCALE_MODE != SCALE_NONE:
             ks = load_scale(key_scale_ptr, key_scale_value, head, col_mask, K_SCALE_MODE)
             xk = tl.math.div_rn(xk, ks if K_SCALE_MODE != SCALE_HEAD else ks[None, :])
@@ -52,8 +60,10 @@ def _write_rows(key_ptr, value_ptr, key_dst_ptr, value_dst_ptr, key_scale_ptr, v
             xv = tl.math.div_rn(xv, vs if V_SCALE_MODE != SCALE_HEAD else vs[None, :])
         qk = fp32_to_fp8_code(xk, E5M2, EXACT).to(tl.uint8)
         qv = fp32_to_fp8_code(xv, E5M2, EXACT).to(tl.uint8)
-        tl.store(key_dst + (key_row[:, None] + kc_col[None, :]), qk, mask=mask)
-        tl.store(value_dst + (value_row[:, None] + vc_col[None, :]), qv, mask=mask)
+        tl.store(key_dst + (key_row[:, None] + kc_col[None, :]), qk, mask=mask,
+                 cache_modifier=STORE_CACHE)
+        tl.store(value_dst + (value_row[:, None] + vc_col[None, :]), qv, mask=mask,
+                 cache_modifier=STORE_CACHE)
 
 
 @jit
@@ -78,18 +88,21 @@ def _write_kv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
     KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr,
+    IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr, LOAD_EVICT: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
 ):
     """Separate K and V caches (each may be any strided view)."""
     tok, in_range, keep, page, off = _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE,
                                                   BLOCK_T)
-    key_row = page * stride_kc_page + off * stride_kc_slot
-    value_row = page * stride_vc_page + off * stride_vc_slot
+    key_row = tl.multiple_of(page * stride_kc_page + off * stride_kc_slot, CACHE_ALIGN)
+    value_row = tl.multiple_of(page * stride_vc_page + off * stride_vc_slot, CACHE_ALIGN)
     _write_rows(key_ptr, value_ptr, key_cache_out_ptr, value_cache_out_ptr, key_scale_ptr,
                 value_scale_ptr, key_scale_value, value_scale_value, tok, key_row, value_row,
                 in_range, keep,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_head, stride_vc_head,
                 NUM_HEADS, HEAD_DIM, BLOCK_HD, K_SCALE_MODE, V_SCALE_MODE, E5M2, EXACT,
-                KEY_PACKED, VALUE_PACKED, CACHE_PACKED)
+                KEY_PACKED, VALUE_PACKED, CACHE_PACKED, IN_ALIGN, CACHE_ALIGN, LOAD_EVICT,
+                STORE_CACHE)
 
 
 @jit
@@ -103,6 +116,8 @@ def _write_kv_combined_kernel(
     BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
     KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr,
+    IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr, LOAD_EVICT: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
 ):
     """One ``[num_pages, 2, ...]`` cache: V lives ``value_offset`` elements after K.
 
@@ -110,10 +125,12 @@ def _write_kv_combined_kernel(
     """
     tok, in_range, keep, page, off = _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE,
                                                   BLOCK_T)
-    key_row = page * stride_kc_page + off * stride_kc_slot
+    key_row = tl.multiple_of(page * stride_kc_page + off * stride_kc_slot, CACHE_ALIGN)
+    value_row = tl.multiple_of(key_row + value_offset, CACHE_ALIGN)
     _write_rows(key_ptr, value_ptr, kv_cache_out_ptr, kv_cache_out_ptr, key_scale_ptr,
-                value_scale_ptr, key_scale_value, value_scale_value, tok, key_row,
-                key_row + value_offset, in_range, keep,
+                value_scale_ptr, key_scale_value, value_scale_value, tok, key_row, value_row,
+                in_range, keep,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_head, stride_kc_head,
                 NUM_HEADS, HEAD_DIM, BLOCK_HD, K_SCALE_MODE, V_SCALE_MODE, E5M2, EXACT,
-                KEY_PACKED, VALUE_PACKED, CACHE_PACKED)
+                KEY_PACKED, VALUE_PACKED, CACHE_PACKED, IN_ALIGN, CACHE_ALIGN, LOAD_EVICT,
+                STORE_CACHE)
