@@ -25,8 +25,33 @@ def _empty_kernel(x_ptr):
 
 @triton.jit
 def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+    """dst = src, converted to dst's element type by truncation / zero extension of the bits."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(src_ptr + offs, mask=offs < n)
+    tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty, bitcast=False), mask=offs < n)
+
+
+def table_traffic_floors(device, cfg: Config, timer: Timer) -> Table:
+    """What this GPU gives a plain Triton copy with each kernel's read/write mix.
+
+    write_kv reads 2 bytes (bf16) and writes 1 per element; dequantize_pages reads 1 and writes 2.
+    A copy with the same mix, contiguous and without any arithmetic, bounds what either can reach.
+    """
+    table = Table("traffic_floors", "Plain copies with the kernels' read/write mix",
+                  "Triton copy kernels, contiguous, 4096 elements per program, graph timing. "
+                  "`narrowing`: int16 -> int8 (write_kv's 2:1 mix, its 65,536-token volume); "
+                  "`widening`: uint8 -> int16 (dequantize_pages' 1:2 mix, its 16x512 volume).",
+                  plot="bars")
+    for label, n, src_dtype, dst_dtype in (
+            ("narrowing copy 2 B -> 1 B", 65536 * 1024 * 2, torch.int16, torch.int8),
+            ("widening copy 1 B -> 2 B", 16 * 512 * 16 * 1024 * 2, torch.uint8, torch.int16)):
+        src = torch.randint(0, 100, (n,), device=device).to(src_dtype)
+        dst = torch.empty(n, dtype=dst_dtype, device=device)
+        grid = (triton.cdiv(n, 4096),)
+        us = timer.time("graph", [lambda: _copy_kernel[grid](src, dst, n, BLOCK=4096)])
+        table.add(label, n, "triton", "graph", us, n * (src.element_size() + dst.element_size()))
+        del src, dst
+    return table
 
 
 def table_latency_floor(device, cfg: Config, timer: Timer, tokens: int = 16) -> Table:
@@ -39,7 +64,7 @@ def table_latency_floor(device, cfg: Config, timer: Timer, tokens: int = 16) -> 
                   plot="bars")
     case = build_write_case(device, cfg, tokens)
     key, value, slots = case.sets[0]
-    src = torch.cat([key.reshape(-1), value.reshape(-1)])
+    src = torch.cat([key.reshape(-1), value.reshape(-1)]).view(torch.int16)
     dst = torch.empty_like(src)
     n = src.numel()
     table.add("empty kernel", tokens, "triton", "graph",

@@ -143,6 +143,8 @@ def sweep_tables(device, cfg: Config, timer: Timer):
     free_memory()
     yield _sweep_cache_hints(device, cfg, timer, backend, mode)
     free_memory()
-    if timer.cuda:
+    if timer.cuda:  # plain Triton kernels: no interpreter twins on the CPU
+        yield latency.table_traffic_floors(device, cfg, timer)
+        free_memory()
         yield latency.table_latency_floor(device, cfg, timer)
         free_memory()

@@ -53,12 +53,10 @@ def fp32_to_fp8_code(y, E5M2: tl.constexpr, EXACT: tl.constexpr):
         MAN_BITS: tl.constexpr = 2
         BIAS: tl.constexpr = 15
         MAX_CODE: tl.constexpr = 0x7B
-        MAX_VALUE: tl.constexpr = 57344.0
     else:
         MAN_BITS: tl.constexpr = 3
         BIAS: tl.constexpr = 7
         MAX_CODE: tl.constexpr = 0x7E
-        MAX_VALUE: tl.constexpr = 448.0
     if EXACT:
         u = y.to(tl.int32, bitcast=True)
         a = u & 0x7FFFFFFF
@@ -81,9 +79,9 @@ def fp32_to_fp8_code(y, E5M2: tl.constexpr, EXACT: tl.constexpr):
         code = tl.minimum(code, MAX_CODE)  # saturate (covers inf)
         code = tl.where(a > 0x7F800000, 0x7F, code | sign)
     else:
-        # cvt.rn.satfinite already saturates e4m3; the explicit NaN-keeping clamp makes e5m2 (and
-        # any compiler that lowers without satfinite) saturate too.
-        y = tl.clamp(y, -MAX_VALUE, MAX_VALUE, propagate_nan=tl.PropagateNan.ALL)
+        # Triton lowers both casts to cvt.rn.satfinite (sm_90): it saturates (inf included) and
+        # gives 0x7F for NaN, which is what the spec pins -- no clamp needed. The GPU suite checks
+        # this path against the exact one on every bf16/fp16 pattern and random fp32.
         if E5M2:
             code = y.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
         else:
