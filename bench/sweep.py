@@ -6,7 +6,7 @@ import itertools
 
 from fp8kv import plan
 from fp8kv.validate import check_write
-from fp8kv_torch._launch import info, scale_arg
+from fp8kv_torch._launch import clear_launch_caches, info, scale_arg
 
 from . import latency
 from .common import Config, Timer, free_memory
@@ -20,20 +20,21 @@ WARPS = (2, 4, 8)
 
 
 @contextlib.contextmanager
-def planned_with(sizes: dict, backend: str, clear, **entries):
+def planned_with(sizes: dict, backend: str, **entries):
     """Plan with ``entries`` in ``sizes[backend]`` (a ``plan.*_SIZES`` table); restore afterwards.
 
-    ``clear`` empties the plan cache, which otherwise keeps serving plans made with old sizes.
+    The plan caches and the torch frontend's cached launches would otherwise keep serving what
+    the old sizes made, so both are cleared on the way in and out.
     """
     saved = dict(sizes[backend])
     sizes[backend].update(entries)
-    clear()
+    clear_launch_caches()
     try:
         yield
     finally:
         sizes[backend].clear()
         sizes[backend].update(saved)
-        clear()
+        clear_launch_caches()
 
 
 def _write_plan(case, backend: str) -> plan.LaunchPlan:
@@ -55,7 +56,7 @@ def _sweep_write(device, cfg: Config, timer: Timer, backend: str, mode: str, tok
     case = build_write_case(device, cfg, tokens)
     fns = case.fp8kv_calls()
     for tile, warps in itertools.product(TILES, WARPS):
-        with planned_with(plan.WRITE_SIZES, backend, plan.plan_write.cache_clear, tile=tile,
+        with planned_with(plan.WRITE_SIZES, backend, tile=tile,
                           num_warps=warps):
             launched = _write_plan(case, backend)
             c = launched.constexprs
@@ -75,7 +76,7 @@ def _sweep_dequant(device, cfg: Config, timer: Timer, backend: str, mode: str) -
     case = build_dequant_case(device, cfg, batch, pages_per_seq)
     fns = case.fp8kv_calls()
     for block, warps in itertools.product(BLOCKS, WARPS):
-        with planned_with(plan.DEQUANT_SIZES, backend, plan.plan_dequantize.cache_clear,
+        with planned_with(plan.DEQUANT_SIZES, backend,
                           block=block, num_warps=warps):
             label = f"block {block}, {warps}w" + (" (default)" if (block, warps) == default else "")
             table.add(label, batch * pages_per_seq, "fp8kv", mode,
@@ -97,14 +98,32 @@ def _sweep_cache_hints(device, cfg: Config, timer: Timer, backend: str, mode: st
     deq = build_dequant_case(device, cfg, batch, pages_per_seq)
     for load_evict, store_cache in HINTS:
         hint = f"{load_evict or 'default'} / {store_cache or 'default'}"
-        with planned_with(plan.WRITE_SIZES, backend, plan.plan_write.cache_clear,
+        with planned_with(plan.WRITE_SIZES, backend,
                           load_evict=load_evict, store_cache=store_cache):
             table.add(f"write {tokens_case(tokens)}: {hint}", tokens, "fp8kv", mode,
                       timer.time(mode, write.fp8kv_calls(), sweep=True), write.nbytes)
-        with planned_with(plan.DEQUANT_SIZES, backend, plan.plan_dequantize.cache_clear,
+        with planned_with(plan.DEQUANT_SIZES, backend,
                           load_evict=load_evict, store_cache=store_cache):
             table.add(f"dequant {name}: {hint}", batch * pages_per_seq, "fp8kv", mode,
                       timer.time(mode, deq.fp8kv_calls(), sweep=True), deq.nbytes)
+    return table
+
+
+def _sweep_division(device, cfg: Config, timer: Timer, backend: str, mode: str) -> Table:
+    """div.rn per element vs one reciprocal per program and two FMA corrections (both exact)."""
+    table = Table("sweep_division", "Sweep: division by the scale",
+                  "`div_rn`: IEEE division per element; `reciprocal`: RN(1/s) once, then "
+                  "q = x*y and two FMA corrections (exact by Markstein's theorem; see "
+                  "fp8kv.ops.fp8_math.divide). Device scale [] per tensor.", plot="bars")
+    for tokens in cfg.sweep_write_tokens:
+        case = build_write_case(device, cfg, tokens)
+        for reciprocal in (False, True):
+            with planned_with(plan.WRITE_SIZES, backend, reciprocal_div=reciprocal):
+                table.add(f"write {tokens_case(tokens)}", tokens,
+                          "reciprocal" if reciprocal else "div_rn", mode,
+                          timer.time(mode, case.fp8kv_calls(), sweep=True), case.nbytes)
+        del case
+        free_memory()
     return table
 
 
@@ -142,6 +161,8 @@ def sweep_tables(device, cfg: Config, timer: Timer):
     yield _exact_vs_fast(device, cfg, timer, mode)
     free_memory()
     yield _sweep_cache_hints(device, cfg, timer, backend, mode)
+    free_memory()
+    yield _sweep_division(device, cfg, timer, backend, mode)
     free_memory()
     if timer.cuda:  # plain Triton kernels: no interpreter twins on the CPU
         yield latency.table_traffic_floors(device, cfg, timer)

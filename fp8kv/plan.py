@@ -17,9 +17,13 @@ INTERPRET, CUDA = "interpret", "cuda"
 # time at ~2 ms each, so it gets big tiles; on the GPU a tile of 2048 gives each thread of 4 warps
 # two 16-byte loads of K and two of V in flight (H200 tuning: bench/NOTES.md).
 # load_evict / store_cache: Triton's eviction_policy / cache_modifier for the streamed data.
+# reciprocal_div: divide by a per-tensor scale with a reciprocal and FMA corrections (exact, see
+# fp8_math.divide) instead of div.rn per element.
 WRITE_SIZES = {
-    CUDA: dict(tile=2048, max_block_hd=4096, num_warps=4, load_evict="", store_cache=""),
-    INTERPRET: dict(tile=1 << 16, max_block_hd=1 << 16, num_warps=1, load_evict="", store_cache=""),
+    CUDA: dict(tile=2048, max_block_hd=4096, num_warps=4, load_evict="", store_cache="",
+               reciprocal_div=False),
+    INTERPRET: dict(tile=1 << 16, max_block_hd=1 << 16, num_warps=1, load_evict="", store_cache="",
+                    reciprocal_div=False),
 }
 DEQUANT_SIZES = {
     CUDA: dict(block=4096, num_warps=4, load_evict="", store_cache=""),
@@ -111,6 +115,7 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None,
         ("CACHE_ALIGN", pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
                                      vc.stride_slot, vc.stride_head, args.value_offset)),
         ("LOAD_EVICT", sizes["load_evict"]), ("STORE_CACHE", sizes["store_cache"]),
+        ("RECIPROCAL_DIV", sizes["reciprocal_div"]),
     )
     return LaunchPlan((cdiv(args.num_tokens, block_t),), num_warps, constexprs, scalars, types)
 

@@ -69,6 +69,13 @@ _READY: dict = {}
 _READY_LIMIT = 4096  # float scales that change every call would otherwise grow it without bound
 
 
+def clear_launch_caches() -> None:
+    """Forget cached plans and launches (after changing ``fp8kv.plan``'s size tables)."""
+    plan_write.cache_clear()
+    plan_dequantize.cache_clear()
+    _READY.clear()
+
+
 def _tensor_key(t: torch.Tensor):
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
 

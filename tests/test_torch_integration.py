@@ -235,3 +235,38 @@ def test_gpu_cache_beyond_2_31_elements(layout):
         __import__("ml_dtypes").float8_e4m3fn).astype(np.float32))
     del k_cache, v_cache
     torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def reciprocal_division():
+    """Plan writes with the reciprocal division (fp8kv.ops.fp8_math.divide) for one test."""
+    from fp8kv import plan
+    from fp8kv_torch._launch import clear_launch_caches
+    saved = plan.WRITE_SIZES["cuda"]["reciprocal_div"]
+    plan.WRITE_SIZES["cuda"]["reciprocal_div"] = True
+    clear_launch_caches()
+    yield
+    plan.WRITE_SIZES["cuda"]["reciprocal_div"] = saved
+    clear_launch_caches()
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt,scale", [
+    ("e4m3", 0.37), ("e4m3", 1 / 448), ("e4m3", 2 - 2 ** -23), ("e4m3", 1 + 2 ** -23),
+    ("e4m3", 3e-3), ("e4m3", 1e5), ("e4m3", 0.1), ("e4m3", 7.0), ("e4m3", 2.0 ** -40),
+    ("e4m3", 2.0 ** 40 * (1 - 2 ** -24)), ("e4m3", 2.0 ** -41), ("e5m2", 0.37), ("e5m2", 1.7e-4),
+    ("e5m2", 2 - 2 ** -23)])
+def test_gpu_reciprocal_division_on_all_fp32_inputs(reciprocal_division, fmt, scale):
+    """The fast division gives the exact path's bytes for every one of the 2**32 fp32 inputs."""
+    from fp8kv_torch import _launch
+    n = 1 << 26
+    slots = torch.arange(n // 1024, device="cuda")
+    fast = torch.empty(n // 1024, 8, 128, dtype=torch.uint8, device="cuda")
+    exact = torch.empty_like(fast)
+    scale_t = torch.tensor(scale, dtype=torch.float32, device="cuda")
+    for start in range(0, 1 << 32, n):
+        x = torch.arange(start, start + n, dtype=torch.int64, device="cuda").to(torch.int32)
+        x = x.view(torch.float32).view(n // 1024, 8, 128)
+        _launch.write_kv(x, x, fast, fast, slots, scale_t, scale_t, "NHD", fmt, exact=False)
+        _launch.write_kv(x, x, exact, exact, slots, scale_t, scale_t, "NHD", fmt, exact=True)
+        assert torch.equal(fast, exact), f"inputs {start:#x}..{start + n - 1:#x} differ"

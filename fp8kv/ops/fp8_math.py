@@ -35,6 +35,35 @@ def load_scale(scale_ptr, scale_value, head, head_mask, MODE: tl.constexpr):
 
 
 @jit
+def divide(x, s, SCALAR: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """``x / s`` correctly rounded (IEEE fp32), ``s`` > 0.
+
+    With RECIPROCAL (fast path, one scale per program) the division becomes a multiply by
+    ``y = RN(1/s)`` and two FMA corrections, ``q_{i+1} = RN(q_i + RN(x - q_i s) y)``: ``q0`` is within
+    2 ulps of ``x/s``, ``q1`` is then within 1 ulp, and by Markstein's theorem (``y`` within half
+    an ulp of ``1/s``, ``q1`` within one ulp of ``x/s``, exact remainder) ``q2 = RN(x/s)``. The
+    theorem needs no overflow or underflow, so it is used for ``2**-40 <= s <= 2**40`` and
+    ``2**-40 <= |q0| <= 2**40`` only; outside, ``q0`` already quantizes like ``RN(x/s)`` (to +-0
+    with its sign, or to +-max, inf and NaN included) and other scales take ``div_rn``. The GPU
+    suite checks it on all 2**32 fp32 inputs for a set of scales.
+    """
+    if EXACT or not SCALAR or not RECIPROCAL:
+        q = tl.math.div_rn(x, s)
+    else:
+        if (s >= 2.0 ** -40) & (s <= 2.0 ** 40):
+            y = tl.math.div_rn(s * 0.0 + 1.0, s)
+            neg_s = -s
+            q0 = x * y
+            q1 = tl.math.fma(tl.math.fma(q0, neg_s, x), y, q0)
+            q2 = tl.math.fma(tl.math.fma(q1, neg_s, x), y, q1)
+            a = tl.abs(q0)
+            q = tl.where((a >= 2.0 ** -40) & (a <= 2.0 ** 40), q2, q0)
+        else:
+            q = tl.math.div_rn(x, s)
+    return q
+
+
+@jit
 def load_as_fp32(ptr, offsets, mask, EXACT: tl.constexpr, EVICT: tl.constexpr):
     """Load bf16/fp16/fp32 values as fp32; bf16 goes through its bits when EXACT."""
     if EXACT and ptr.dtype.element_ty == tl.bfloat16:

@@ -13,7 +13,8 @@ to the output) call the very same kernel.
 import triton.language as tl
 
 from ._dual import jit
-from .fp8_math import SCALE_HEAD, SCALE_NONE, fp32_to_fp8_code, load_as_fp32, load_scale
+from .fp8_math import (SCALE_HEAD, SCALE_NONE, divide, fp32_to_fp8_code, load_as_fp32,
+                       load_scale)
 
 
 @jit
@@ -24,7 +25,8 @@ def _write_rows(key_ptr, value_ptr, key_dst_ptr, value_dst_ptr, key_scale_ptr, v
                 K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr,
                 EXACT: tl.constexpr, KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr,
                 CACHE_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr,
-                LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
+                LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
+                RECIPROCAL_DIV: tl.constexpr):
     key_dst = key_dst_ptr.to(tl.pointer_type(tl.uint8))
     value_dst = value_dst_ptr.to(tl.pointer_type(tl.uint8))
     ROW: tl.constexpr = NUM_HEADS * HEAD_DIM
@@ -54,10 +56,12 @@ def _write_rows(key_ptr, value_ptr, key_dst_ptr, value_dst_ptr, key_scale_ptr, v
                           LOAD_EVICT)
         if K_SCALE_MODE != SCALE_NONE:
             ks = load_scale(key_scale_ptr, key_scale_value, head, col_mask, K_SCALE_MODE)
-            xk = tl.math.div_rn(xk, ks if K_SCALE_MODE != SCALE_HEAD else ks[None, :])
+            xk = divide(xk, ks if K_SCALE_MODE != SCALE_HEAD else ks[None, :],
+                        K_SCALE_MODE != SCALE_HEAD, EXACT, RECIPROCAL_DIV)
         if V_SCALE_MODE != SCALE_NONE:
             vs = load_scale(value_scale_ptr, value_scale_value, head, col_mask, V_SCALE_MODE)
-            xv = tl.math.div_rn(xv, vs if V_SCALE_MODE != SCALE_HEAD else vs[None, :])
+            xv = divide(xv, vs if V_SCALE_MODE != SCALE_HEAD else vs[None, :],
+                        V_SCALE_MODE != SCALE_HEAD, EXACT, RECIPROCAL_DIV)
         qk = fp32_to_fp8_code(xk, E5M2, EXACT).to(tl.uint8)
         qv = fp32_to_fp8_code(xv, E5M2, EXACT).to(tl.uint8)
         tl.store(key_dst + (key_row[:, None] + kc_col[None, :]), qk, mask=mask,
@@ -89,7 +93,7 @@ def _write_kv_kernel(
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
     KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr,
     IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr, LOAD_EVICT: tl.constexpr,
-    STORE_CACHE: tl.constexpr,
+    STORE_CACHE: tl.constexpr, RECIPROCAL_DIV: tl.constexpr,
 ):
     """Separate K and V caches (each may be any strided view)."""
     tok, in_range, keep, page, off = _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE,
@@ -102,7 +106,7 @@ def _write_kv_kernel(
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_head, stride_vc_head,
                 NUM_HEADS, HEAD_DIM, BLOCK_HD, K_SCALE_MODE, V_SCALE_MODE, E5M2, EXACT,
                 KEY_PACKED, VALUE_PACKED, CACHE_PACKED, IN_ALIGN, CACHE_ALIGN, LOAD_EVICT,
-                STORE_CACHE)
+                STORE_CACHE, RECIPROCAL_DIV)
 
 
 @jit
@@ -117,7 +121,7 @@ def _write_kv_combined_kernel(
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
     KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr,
     IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr, LOAD_EVICT: tl.constexpr,
-    STORE_CACHE: tl.constexpr,
+    STORE_CACHE: tl.constexpr, RECIPROCAL_DIV: tl.constexpr,
 ):
     """One ``[num_pages, 2, ...]`` cache: V lives ``value_offset`` elements after K.
 
@@ -133,4 +137,4 @@ def _write_kv_combined_kernel(
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_head, stride_kc_head,
                 NUM_HEADS, HEAD_DIM, BLOCK_HD, K_SCALE_MODE, V_SCALE_MODE, E5M2, EXACT,
                 KEY_PACKED, VALUE_PACKED, CACHE_PACKED, IN_ALIGN, CACHE_ALIGN, LOAD_EVICT,
-                STORE_CACHE)
+                STORE_CACHE, RECIPROCAL_DIV)
