@@ -12,7 +12,7 @@ from . import latency
 from .common import Config, Timer, free_memory
 from .dequant import build_dequant_case
 from .results import Table, tokens_case
-from .write_torch import build_write_case
+from .write_torch import HEAD_DIM, HEADS, build_write_case
 
 TILES = (1024, 2048, 4096, 8192)      # write: elements per program (per K or V)
 BLOCKS = (1024, 2048, 4096, 8192)     # dequant: elements per program
@@ -51,13 +51,14 @@ def _sweep_write(device, cfg: Config, timer: Timer, backend: str, mode: str, tok
                   "`WRITE_SIZES` candidates, fastest first; `->` gives the launched block "
                   "(tokens x row elements) and warps, as the plan may override the warps.",
                   plot="bars", sort=True)
-    default = plan.WRITE_SIZES[backend]
-    default = (default["tile"], default["num_warps"])
+    sizes = plan.WRITE_SIZES[backend]
+    small = tokens * HEADS * HEAD_DIM <= sizes["small_batch_elems"]
+    default = (sizes["tile"], sizes["small_batch_warps" if small else "num_warps"])
     case = build_write_case(device, cfg, tokens)
     fns = case.fp8kv_calls()
     for tile, warps in itertools.product(TILES, WARPS):
-        with planned_with(plan.WRITE_SIZES, backend, tile=tile,
-                          num_warps=warps):
+        with planned_with(plan.WRITE_SIZES, backend, tile=tile, max_block_hd=tile,
+                          num_warps=warps, small_batch_warps=warps):
             launched = _write_plan(case, backend)
             c = launched.constexprs
             label = (f"tile {tile}, {warps}w -> {c['BLOCK_T']}x{c['BLOCK_HD']}, "
@@ -81,31 +82,6 @@ def _sweep_dequant(device, cfg: Config, timer: Timer, backend: str, mode: str) -
             label = f"block {block}, {warps}w" + (" (default)" if (block, warps) == default else "")
             table.add(label, batch * pages_per_seq, "fp8kv", mode,
                       timer.time(mode, fns, sweep=True), case.nbytes)
-    return table
-
-
-HINTS = (("", ""), ("evict_first", ""), ("", ".cs"), ("evict_first", ".cs"))
-
-
-def _sweep_cache_hints(device, cfg: Config, timer: Timer, backend: str, mode: str) -> Table:
-    """Load eviction policy x store cache modifier, write at the largest size and dequantize."""
-    table = Table("sweep_hints", "Sweep: cache hints (load eviction policy / store modifier)",
-                  "`load_evict` / `store_cache` entries of the size tables (Triton's "
-                  "`eviction_policy` / `cache_modifier`); default tiles.", plot="bars", sort=True)
-    tokens = max(cfg.sweep_write_tokens)
-    write = build_write_case(device, cfg, tokens)
-    batch, pages_per_seq, name = cfg.sweep_dequant
-    deq = build_dequant_case(device, cfg, batch, pages_per_seq)
-    for load_evict, store_cache in HINTS:
-        hint = f"{load_evict or 'default'} / {store_cache or 'default'}"
-        with planned_with(plan.WRITE_SIZES, backend,
-                          load_evict=load_evict, store_cache=store_cache):
-            table.add(f"write {tokens_case(tokens)}: {hint}", tokens, "fp8kv", mode,
-                      timer.time(mode, write.fp8kv_calls(), sweep=True), write.nbytes)
-        with planned_with(plan.DEQUANT_SIZES, backend,
-                          load_evict=load_evict, store_cache=store_cache):
-            table.add(f"dequant {name}: {hint}", batch * pages_per_seq, "fp8kv", mode,
-                      timer.time(mode, deq.fp8kv_calls(), sweep=True), deq.nbytes)
     return table
 
 
@@ -159,8 +135,6 @@ def sweep_tables(device, cfg: Config, timer: Timer):
     yield _sweep_dequant(device, cfg, timer, backend, mode)
     free_memory()
     yield _exact_vs_fast(device, cfg, timer, mode)
-    free_memory()
-    yield _sweep_cache_hints(device, cfg, timer, backend, mode)
     free_memory()
     yield _sweep_division(device, cfg, timer, backend, mode)
     free_memory()

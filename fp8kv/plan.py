@@ -14,20 +14,21 @@ from .validate import DequantArgs, WriteArgs, page_is_packed
 INTERPRET, CUDA = "interpret", "cuda"
 
 # Elements per program (per K or V) and warps, per backend. The interpreter runs one program at a
-# time at ~2 ms each, so it gets big tiles; on the GPU a tile of 2048 gives each thread of 4 warps
-# two 16-byte loads of K and two of V in flight (H200 tuning: bench/NOTES.md).
-# load_evict / store_cache: Triton's eviction_policy / cache_modifier for the streamed data.
+# time at ~2 ms each, so it gets big tiles. On the H200 (bench/NOTES.md) 1024-element tiles win at
+# every size; large batches want 2 warps (one 16-byte load of K and one of V per thread, many
+# programs per SM), small ones 8 warps (more memory requests in flight, shorter dependency chains
+# per thread): batches of up to `small_batch_elems` row elements use `small_batch_warps`.
 # reciprocal_div: divide by a per-tensor scale with a reciprocal and FMA corrections (exact, see
 # fp8_math.divide) instead of div.rn per element.
 WRITE_SIZES = {
-    CUDA: dict(tile=2048, max_block_hd=4096, num_warps=4, load_evict="", store_cache="",
-               reciprocal_div=False),
-    INTERPRET: dict(tile=1 << 16, max_block_hd=1 << 16, num_warps=1, load_evict="", store_cache="",
-                    reciprocal_div=False),
+    CUDA: dict(tile=1024, max_block_hd=1024, num_warps=2, small_batch_warps=8,
+               small_batch_elems=1 << 20, reciprocal_div=True),
+    INTERPRET: dict(tile=1 << 16, max_block_hd=1 << 16, num_warps=1, small_batch_warps=1,
+                    small_batch_elems=0, reciprocal_div=False),
 }
 DEQUANT_SIZES = {
-    CUDA: dict(block=4096, num_warps=4, load_evict="", store_cache=""),
-    INTERPRET: dict(block=1 << 16, num_warps=1, load_evict="", store_cache=""),
+    CUDA: dict(block=4096, num_warps=4),
+    INTERPRET: dict(block=1 << 16, num_warps=1),
 }
 
 
@@ -92,7 +93,8 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None,
     block_t = max(1, sizes["tile"] // block_hd)
     if backend == INTERPRET:  # no compile cost here: fit the tile to the batch
         block_t = min(block_t, next_pow2(max(args.num_tokens, 1)))
-    num_warps = sizes["num_warps"]
+    small = args.num_tokens * row <= sizes["small_batch_elems"]
+    num_warps = sizes["small_batch_warps"] if small else sizes["num_warps"]
     key, value = args.key, args.value
     strides = [args.num_tokens, kc.num_pages * kc.page_size,
                key.strides[0], key.strides[1], value.strides[0], value.strides[1],
@@ -114,7 +116,6 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None,
                                   value.strides[1])),
         ("CACHE_ALIGN", pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
                                      vc.stride_slot, vc.stride_head, args.value_offset)),
-        ("LOAD_EVICT", sizes["load_evict"]), ("STORE_CACHE", sizes["store_cache"]),
         ("RECIPROCAL_DIV", sizes["reciprocal_div"]),
     )
     return LaunchPlan((cdiv(args.num_tokens, block_t),), num_warps, constexprs, scalars, types)
@@ -171,7 +172,6 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
         ("IN_ALIGN", pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
                                   vc.stride_slot, vc.stride_head, args.value_in_offset)),
         ("OUT_ALIGN", pow2_divisor(*ko, *vo)),
-        ("LOAD_EVICT", sizes["load_evict"]), ("STORE_CACHE", sizes["store_cache"]),
     )
-    grid = (num_entries, cdiv(page_elems, block)) if num_entries else (0,)
+    grid = (num_entries * cdiv(page_elems, block),)
     return LaunchPlan(grid, sizes["num_warps"], constexprs, scalars, types)

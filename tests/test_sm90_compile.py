@@ -91,7 +91,8 @@ def test_write_kernel_compiles_for_sm90(case, exact):
     if args.key_scale_mode:
         assert "div.rn.f32" in found
     if case.dtype == "bfloat16" and case.layout == "NHD" and case.head_dim % 64 == 0 and not exact:
-        assert "ld.global.v4.b32" in found, found   # 16-byte loads of K/V rows
+        # vector loads of K/V rows (8 bytes for small batches' 8-warp programs, else 16)
+        assert any(op.startswith("ld.global.v") for op in found), found
 
 
 def test_write_combined_kernel_compiles_for_sm90():

@@ -15,9 +15,16 @@ from triton.runtime.jit import JITFunction
 _INTERPRETED: dict[int, InterpretedFunction] = {}
 
 
-def jit(fn):
-    """Decorator: a compiled Triton function, whatever ``TRITON_INTERPRET`` says."""
-    return JITFunction(fn)
+def jit(fn=None, *, do_not_specialize=()):
+    """Decorator: a compiled Triton function, whatever ``TRITON_INTERPRET`` says.
+
+    ``do_not_specialize`` names integer parameters (batch sizes) that must not become part of the
+    compiled variant's key: Triton would otherwise compile again for the value 1 and for
+    multiples of 16.
+    """
+    if fn is None:
+        return lambda f: JITFunction(f, do_not_specialize=list(do_not_specialize))
+    return JITFunction(fn, do_not_specialize=list(do_not_specialize))
 
 
 def interpreted(jit_fn: JITFunction) -> InterpretedFunction:

@@ -1,7 +1,8 @@
 """Dequantize the FP8 pages a block table names into a compact paged cache (bf16/fp16/fp32).
 
-Grid: ``(batch * pages_per_seq, cdiv(page_elems, BLOCK))``. Program ``(i, c)`` reads chunk ``c`` of
-page ``block_table.flat[i]`` from the K and V caches and writes it to output page ``i``; entries
+Grid: ``(batch * pages_per_seq * CHUNKS,)``, ``CHUNKS = cdiv(page_elems, BLOCK)``, chunk-major so
+that neighbouring programs stream neighbouring bytes. Program ``i * CHUNKS + c`` reads chunk ``c``
+of page ``block_table.flat[i]`` from the K and V caches and writes it to output page ``i``; entries
 that are padding (< 0, == null_page, or past the cache) get zeros, so every output element is
 written. The chunk-0 program of entry ``i`` also writes ``new_block_table.flat[i] = i``. The numpy
 twin is :func:`fp8kv.reference.dequantize_pages`; :mod:`fp8kv.plan` picks the constexprs.
@@ -46,10 +47,12 @@ def _dequantize_body(
     BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
     IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr,
-    OUT_ALIGN: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
+    OUT_ALIGN: tl.constexpr,
 ):
-    entry = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    CHUNKS: tl.constexpr = (PAGE_SIZE * NUM_HEADS * HEAD_DIM + BLOCK - 1) // BLOCK
+    pid = tl.program_id(0)
+    entry = (pid // CHUNKS).to(tl.int64)
+    chunk = pid % CHUNKS
     b = entry // pages_per_seq
     page = tl.load(table_ptr + b * stride_bt_b + (entry - b * pages_per_seq) * stride_bt_p).to(tl.int64)
     valid = (page >= 0) & (page < num_pages)
@@ -69,9 +72,9 @@ def _dequantize_body(
     vc_off = vc_base + _page_offsets(j, stride_vc_slot, stride_vc_head, NUM_HEADS, HEAD_DIM,
                                      PAGE_SIZE, HND, IN_PACKED)
     key_codes = tl.load(key_cache_ptr.to(tl.pointer_type(tl.uint8)) + kc_off, mask=load_mask,
-                        other=0, eviction_policy=LOAD_EVICT)
+                        other=0)
     value_codes = tl.load(value_cache_ptr.to(tl.pointer_type(tl.uint8)) + vc_off, mask=load_mask,
-                          other=0, eviction_policy=LOAD_EVICT)
+                          other=0)
 
     if HND:
         head = j // (PAGE_SIZE * HEAD_DIM)
@@ -95,15 +98,13 @@ def _dequantize_body(
         bits_ty: tl.constexpr = tl.uint32
     else:
         bits_ty: tl.constexpr = tl.uint16
-    tl.store(key_out_ptr.to(tl.pointer_type(bits_ty)) + ko_off, k_bits.to(bits_ty), mask=in_page,
-             cache_modifier=STORE_CACHE)
-    tl.store(value_out_ptr.to(tl.pointer_type(bits_ty)) + vo_off, v_bits.to(bits_ty), mask=in_page,
-             cache_modifier=STORE_CACHE)
+    tl.store(key_out_ptr.to(tl.pointer_type(bits_ty)) + ko_off, k_bits.to(bits_ty), mask=in_page)
+    tl.store(value_out_ptr.to(tl.pointer_type(bits_ty)) + vo_off, v_bits.to(bits_ty), mask=in_page)
     if chunk == 0:
         tl.store(new_table_ptr + entry, entry.to(tl.int32))
 
 
-@jit
+@jit(do_not_specialize=["num_entries", "pages_per_seq"])
 def _dequantize_pages_kernel(
     key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
     num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
@@ -115,7 +116,7 @@ def _dequantize_pages_kernel(
     BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
     IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr,
-    OUT_ALIGN: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
+    OUT_ALIGN: tl.constexpr,
 ):
     """Separate K and V outputs."""
     _dequantize_body(
@@ -125,10 +126,10 @@ def _dequantize_pages_kernel(
         stride_ko_page, stride_ko_slot, stride_ko_head, stride_vo_page, stride_vo_slot, stride_vo_head,
         0, key_scale_value, value_scale_value, key_out_ptr, value_out_ptr, new_table_ptr,
         NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, BLOCK, K_SCALE_MODE, V_SCALE_MODE, E5M2, OUT_KIND, EXACT,
-        HAS_NULL_PAGE, IN_PACKED, OUT_PACKED, IN_ALIGN, OUT_ALIGN, LOAD_EVICT, STORE_CACHE)
+        HAS_NULL_PAGE, IN_PACKED, OUT_PACKED, IN_ALIGN, OUT_ALIGN)
 
 
-@jit
+@jit(do_not_specialize=["num_entries", "pages_per_seq"])
 def _dequantize_pages_combined_kernel(
     key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
     num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
@@ -140,7 +141,7 @@ def _dequantize_pages_combined_kernel(
     BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
     IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr,
-    OUT_ALIGN: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
+    OUT_ALIGN: tl.constexpr,
 ):
     """One ``[N, 2, ...]`` output (FlashInfer's TRT-LLM layout): V lives ``value_out_offset`` after K."""
     _dequantize_body(
@@ -150,4 +151,4 @@ def _dequantize_pages_combined_kernel(
         stride_ko_page, stride_ko_slot, stride_ko_head, stride_ko_page, stride_ko_slot, stride_ko_head,
         value_out_offset, key_scale_value, value_scale_value, kv_out_ptr, kv_out_ptr, new_table_ptr,
         NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, BLOCK, K_SCALE_MODE, V_SCALE_MODE, E5M2, OUT_KIND, EXACT,
-        HAS_NULL_PAGE, IN_PACKED, OUT_PACKED, IN_ALIGN, OUT_ALIGN, LOAD_EVICT, STORE_CACHE)
+        HAS_NULL_PAGE, IN_PACKED, OUT_PACKED, IN_ALIGN, OUT_ALIGN)

@@ -64,14 +64,13 @@ def divide(x, s, SCALAR: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.const
 
 
 @jit
-def load_as_fp32(ptr, offsets, mask, EXACT: tl.constexpr, EVICT: tl.constexpr):
+def load_as_fp32(ptr, offsets, mask, EXACT: tl.constexpr):
     """Load bf16/fp16/fp32 values as fp32; bf16 goes through its bits when EXACT."""
     if EXACT and ptr.dtype.element_ty == tl.bfloat16:
-        bits = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offsets, mask=mask, other=0,
-                       eviction_policy=EVICT)
+        bits = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offsets, mask=mask, other=0)
         x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
-        x = tl.load(ptr + offsets, mask=mask, other=0, eviction_policy=EVICT).to(tl.float32)
+        x = tl.load(ptr + offsets, mask=mask, other=0).to(tl.float32)
     return x
 
 

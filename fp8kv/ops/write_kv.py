@@ -25,7 +25,6 @@ def _write_rows(key_ptr, value_ptr, key_dst_ptr, value_dst_ptr, key_scale_ptr, v
                 K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr,
                 EXACT: tl.constexpr, KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr,
                 CACHE_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr,
-                LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
                 RECIPROCAL_DIV: tl.constexpr):
     key_dst = key_dst_ptr.to(tl.pointer_type(tl.uint8))
     value_dst = value_dst_ptr.to(tl.pointer_type(tl.uint8))
@@ -51,9 +50,8 @@ def _write_rows(key_ptr, value_ptr, key_dst_ptr, value_dst_ptr, key_scale_ptr, v
         # only the stores are masked by them.
         load_mask = in_range[:, None] & col_mask[None, :]
         mask = keep[:, None] & col_mask[None, :]
-        xk = load_as_fp32(key_ptr, key_in[:, None] + k_col[None, :], load_mask, EXACT, LOAD_EVICT)
-        xv = load_as_fp32(value_ptr, value_in[:, None] + v_col[None, :], load_mask, EXACT,
-                          LOAD_EVICT)
+        xk = load_as_fp32(key_ptr, key_in[:, None] + k_col[None, :], load_mask, EXACT)
+        xv = load_as_fp32(value_ptr, value_in[:, None] + v_col[None, :], load_mask, EXACT)
         if K_SCALE_MODE != SCALE_NONE:
             ks = load_scale(key_scale_ptr, key_scale_value, head, col_mask, K_SCALE_MODE)
             xk = divide(xk, ks if K_SCALE_MODE != SCALE_HEAD else ks[None, :],
@@ -64,10 +62,8 @@ def _write_rows(key_ptr, value_ptr, key_dst_ptr, value_dst_ptr, key_scale_ptr, v
                         V_SCALE_MODE != SCALE_HEAD, EXACT, RECIPROCAL_DIV)
         qk = fp32_to_fp8_code(xk, E5M2, EXACT).to(tl.uint8)
         qv = fp32_to_fp8_code(xv, E5M2, EXACT).to(tl.uint8)
-        tl.store(key_dst + (key_row[:, None] + kc_col[None, :]), qk, mask=mask,
-                 cache_modifier=STORE_CACHE)
-        tl.store(value_dst + (value_row[:, None] + vc_col[None, :]), qv, mask=mask,
-                 cache_modifier=STORE_CACHE)
+        tl.store(key_dst + (key_row[:, None] + kc_col[None, :]), qk, mask=mask)
+        tl.store(value_dst + (value_row[:, None] + vc_col[None, :]), qv, mask=mask)
 
 
 @jit
@@ -81,7 +77,7 @@ def _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE: tl.constexpr, BLOCK
     return tok, in_range, keep, slot // PAGE_SIZE, slot % PAGE_SIZE
 
 
-@jit
+@jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, key_scale_ptr, value_scale_ptr,
     num_tokens, num_slots, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -92,8 +88,7 @@ def _write_kv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
     KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr,
-    IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr, LOAD_EVICT: tl.constexpr,
-    STORE_CACHE: tl.constexpr, RECIPROCAL_DIV: tl.constexpr,
+    IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr, RECIPROCAL_DIV: tl.constexpr,
 ):
     """Separate K and V caches (each may be any strided view)."""
     tok, in_range, keep, page, off = _token_block(slot_ptr, num_tokens, num_slots, PAGE_SIZE,
@@ -105,11 +100,10 @@ def _write_kv_kernel(
                 in_range, keep,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_head, stride_vc_head,
                 NUM_HEADS, HEAD_DIM, BLOCK_HD, K_SCALE_MODE, V_SCALE_MODE, E5M2, EXACT,
-                KEY_PACKED, VALUE_PACKED, CACHE_PACKED, IN_ALIGN, CACHE_ALIGN, LOAD_EVICT,
-                STORE_CACHE, RECIPROCAL_DIV)
+                KEY_PACKED, VALUE_PACKED, CACHE_PACKED, IN_ALIGN, CACHE_ALIGN, RECIPROCAL_DIV)
 
 
-@jit
+@jit(do_not_specialize=["num_tokens"])
 def _write_kv_combined_kernel(
     key_ptr, value_ptr, kv_cache_ptr, slot_ptr, key_scale_ptr, value_scale_ptr,
     num_tokens, num_slots, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -120,8 +114,7 @@ def _write_kv_combined_kernel(
     BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
     KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr,
-    IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr, LOAD_EVICT: tl.constexpr,
-    STORE_CACHE: tl.constexpr, RECIPROCAL_DIV: tl.constexpr,
+    IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr, RECIPROCAL_DIV: tl.constexpr,
 ):
     """One ``[num_pages, 2, ...]`` cache: V lives ``value_offset`` elements after K.
 
@@ -136,5 +129,4 @@ def _write_kv_combined_kernel(
                 in_range, keep,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_head, stride_kc_head,
                 NUM_HEADS, HEAD_DIM, BLOCK_HD, K_SCALE_MODE, V_SCALE_MODE, E5M2, EXACT,
-                KEY_PACKED, VALUE_PACKED, CACHE_PACKED, IN_ALIGN, CACHE_ALIGN, LOAD_EVICT,
-                STORE_CACHE, RECIPROCAL_DIV)
+                KEY_PACKED, VALUE_PACKED, CACHE_PACKED, IN_ALIGN, CACHE_ALIGN, RECIPROCAL_DIV)
