@@ -60,7 +60,7 @@ def make_config(cuda: bool, quick: bool) -> Config:
                   jax_tokens=(1, 16, 256, 4096, 65536),
                   dequant_shapes=((16, 512, "16x512"), (4, 256, "4x256"),
                                   (64, 32, "64x32 decode mix")),
-                  sweep_write_tokens=(65536, 16), sweep_dequant=(16, 512, "16x512"),
+                  sweep_write_tokens=(65536, 256, 16), sweep_dequant=(16, 512, "16x512"),
                   min_cache_bytes=64 * MiB, dequant_cache_pages=16384, copy_bytes=GiB)
 
 
