@@ -96,8 +96,8 @@ def paged_view(cache: ArrayInfo, layout: str, name: str, combined: bool = False)
     """Check a cache's dtype/rank/strides and return it as pages (``combined``: its K half)."""
     check_dtype(cache, name, CACHE_DTYPES)
     check_unit_last_stride(cache, name)
-    expected = {3: "[num_slots, num_kv_heads, head_dim]",
-                4: f"[num_pages, {'page_size, num_kv_heads' if layout == 'NHD' else 'num_kv_heads, page_size'}, head_dim]"}
+    middle = "page_size, num_kv_heads" if layout == "NHD" else "num_kv_heads, page_size"
+    expected = {3: "[num_slots, num_kv_heads, head_dim]", 4: f"[num_pages, {middle}, head_dim]"}
     if combined:
         if cache.ndim not in (4, 5) or cache.shape[1] != 2:
             raise ValueError(f"{name}: expected a combined cache [num_pages, 2, ...] of rank 4 or 5 "

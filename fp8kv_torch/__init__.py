@@ -116,8 +116,9 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
     else:
         outs = list(out)
         if len(outs) != (2 if combined else 3):
-            raise ValueError(f"out: expected {'(kv_pages, new_block_table)' if combined else '(key_pages, value_pages, new_block_table)'}, "
-                             f"got {len(outs)} tensors")
+            names = ("(kv_pages, new_block_table)" if combined
+                     else "(key_pages, value_pages, new_block_table)")
+            raise ValueError(f"out: expected {names}, got {len(outs)} tensors")
         if outs[0].dtype != dtype:
             raise TypeError(f"out[0]: expected dtype {dtype} (the dtype argument), got {outs[0].dtype}")
     key_out, value_out = outs[0], (None if combined else outs[1])
@@ -172,8 +173,8 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
     --------
     >>> import torch, fp8kv_torch
     >>> cache = torch.full((3, 2, 1, 4), 0x38, dtype=torch.uint8)   # every byte is 1.0 in e4m3
-    >>> k, v, table = fp8kv_torch.dequantize_pages(cache, cache, torch.tensor([[2, -1]], dtype=torch.int32),
-    ...                                             key_scale=0.5)
+    >>> table = torch.tensor([[2, -1]], dtype=torch.int32)             # -1: padding
+    >>> k, v, table = fp8kv_torch.dequantize_pages(cache, cache, table, key_scale=0.5)
     >>> k[:, 0, 0].tolist(), table.tolist()
     ([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], [[0, 1]])
     """

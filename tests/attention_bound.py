@@ -54,3 +54,14 @@ def attention_error_bound(q, k, v, v_deq, k_scale, v_scale, fmt: str, causal_mas
     value_term = p @ (np.abs(v) * u + v_scale * a)
     out = p @ v
     return weight_term + value_term + 1e-5 * (np.abs(out) + (p @ np.abs(v)))
+
+
+def prefill_block_table(rng, lens, page_size: int, num_pages: int) -> np.ndarray:
+    """A block table giving each sequence of ``lens`` distinct random pages (page 0 unused: it is
+    vLLM's null block), padded with 0."""
+    pages_per_seq = max(-(-n // page_size) for n in lens)
+    free = iter(rng.permutation(np.arange(1, num_pages)))
+    table = np.zeros((len(lens), pages_per_seq), dtype=np.int32)
+    for b, n in enumerate(lens):
+        table[b, : -(-n // page_size)] = [next(free) for _ in range(-(-n // page_size))]
+    return table

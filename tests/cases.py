@@ -8,15 +8,30 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from fp8kv.formats import FORMATS
 from fp8kv.reference import np_dtype
 
 
+class _CacheOptions:
+    """What the API is told about a case's cache (``layout`` "3D" means a [num_slots, H, D] one)."""
+
+    @property
+    def api_layout(self) -> str:
+        return "NHD" if self.layout == "3D" else self.layout
+
+    @property
+    def cache_dtype(self) -> str:
+        return "uint8" if self.cache == "uint8" else FORMATS[self.fmt].dtype
+
+    @property
+    def fp8_format(self):
+        return self.fmt if self.cache == "uint8" else None
+
+
 @dataclass(frozen=True)
-class WriteCase:
+class WriteCase(_CacheOptions):
     tokens: int = 7
     heads: int = 8
     head_dim: int = 128
@@ -47,18 +62,6 @@ class WriteCase:
         if self.layout == "NHD":
             return (self.pages, self.page_size, self.heads, self.head_dim)
         return (self.pages, self.heads, self.page_size, self.head_dim)
-
-    @property
-    def api_layout(self) -> str:
-        return "NHD" if self.layout == "3D" else self.layout
-
-    @property
-    def cache_dtype(self) -> str:
-        return "uint8" if self.cache == "uint8" else FORMATS[self.fmt].dtype
-
-    @property
-    def fp8_format(self):
-        return self.fmt if self.cache == "uint8" else None
 
 
 def _c(**kw) -> WriteCase:
@@ -133,7 +136,7 @@ def write_inputs(case: WriteCase, seed: int = 0) -> dict:
 
 
 @dataclass(frozen=True)
-class DequantCase:
+class DequantCase(_CacheOptions):
     batch: int = 3
     pages_per_seq: int = 4
     heads: int = 8
@@ -158,18 +161,6 @@ class DequantCase:
     def cache_shape(self):
         return WriteCase(heads=self.heads, head_dim=self.head_dim, page_size=self.page_size,
                          layout=self.layout, num_pages=self.num_pages).cache_shape
-
-    @property
-    def api_layout(self) -> str:
-        return "NHD" if self.layout == "3D" else self.layout
-
-    @property
-    def cache_dtype(self) -> str:
-        return "uint8" if self.cache == "uint8" else FORMATS[self.fmt].dtype
-
-    @property
-    def fp8_format(self):
-        return self.fmt if self.cache == "uint8" else None
 
 
 def _d(**kw) -> DequantCase:

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from attention_bound import attention_error_bound
+from attention_bound import attention_error_bound, prefill_block_table
 from cases import DEQUANT_CASES, DequantCase, as_uint, dequant_inputs
 from conftest import bits, requires_cuda, to_torch, torch, torch_dtype
 from fp8kv import reference as ref
@@ -114,11 +114,7 @@ def test_prefill_attention_within_fp8_bound(fmt, device):
     rng = np.random.default_rng(7)
     hkv, group, d, page_size, num_pages = 2, 3, 64, 16, 40
     lens = [37, 80, 5]
-    pages_per_seq = max(-(-n // page_size) for n in lens)
-    free = iter(rng.permutation(np.arange(1, num_pages)))    # page 0 is vLLM's null block
-    table = np.zeros((len(lens), pages_per_seq), dtype=np.int32)
-    for b, n in enumerate(lens):
-        table[b, : -(-n // page_size)] = [next(free) for _ in range(-(-n // page_size))]
+    table = prefill_block_table(rng, lens, page_size, num_pages)
     fmax = {"e4m3": 448.0, "e5m2": 57344.0}[fmt]
     k_cache = torch.zeros(num_pages, page_size, hkv, d, dtype=torch.uint8, device=device)
     v_cache = torch.zeros_like(k_cache)
