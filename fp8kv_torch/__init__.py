@@ -104,6 +104,7 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
                 fp8_format, null_page, out, combined):
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+    args = None
     if out is None:
         args = _launch.dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale,
                                        str(dtype)[6:], layout, fp8_format, null_page)
@@ -129,7 +130,7 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
                             null_page, key_out, value_out, outs[-1])
     else:
         _launch.dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, layout,
-                                 fp8_format, null_page, key_out, value_out, outs[-1])
+                                 fp8_format, null_page, key_out, value_out, outs[-1], args=args)
     return tuple(outs)
 
 

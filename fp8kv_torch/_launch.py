@@ -100,7 +100,8 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
                      key.device.index)
         ready = _READY.get(ready_key)
         if ready is not None:
-            _call_ready(ready, key, value, key_cache, value_cache, slots, key_scale, value_scale)
+            ready(key.device.index, *_write_operands(key, value, key_cache, value_cache, slots,
+                                                     key_scale, value_scale))
             return
     args = check_write(
         info(key), info(value), None if combined else info(key_cache),
@@ -129,11 +130,6 @@ def _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_
     return (key, value, key_cache, value_cache, slots, ks, vs), (key_cache, value_cache)
 
 
-def _call_ready(ready, key, value, key_cache, value_cache, slots, key_scale, value_scale):
-    arrays, outputs = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale)
-    ready(key.device.index, arrays, outputs)
-
-
 def dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
                     fp8_format, null_page):
     combined = value_cache is None
@@ -145,15 +141,17 @@ def dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale,
 
 
 def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, layout, fp8_format,
-                     null_page, key_out, value_out, table_out, exact=None, launch=True):
+                     null_page, key_out, value_out, table_out, exact=None, launch=True, args=None):
     """Validate, plan and launch one dequantize into preallocated outputs.
 
     ``value_cache=None``: ``key_cache`` is a combined cache; ``value_out=None``: ``key_out`` is a
-    combined output.
+    combined output. ``args``: the caller's :func:`dequantize_args` for these inputs, if it has them
+    (the allocating call validated already to size the outputs).
     """
     dtype = str(key_out.dtype)[6:]
-    args = dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
-                           fp8_format, null_page)
+    if args is None:
+        args = dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale, dtype,
+                               layout, fp8_format, null_page)
     device = str(key_cache.device)
     combined_out = value_out is None
     check_out(info(key_out), "out[0]", dequantized_shape(args, combined_out), dtype, device)

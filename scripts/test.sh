@@ -1,6 +1,4 @@
 #!/usr/bin/env bash
-# Install (scripts/setup.sh) and run the whole test suite: the README's test command, which CI runs.
+# Install and run the whole test suite: exactly what CI runs (.ci/run).
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-. scripts/setup.sh
-python -m pytest tests fp8kv_torch fp8kv_jax --doctest-modules -q "$@"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/../.ci/run" "$@"
