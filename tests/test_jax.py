@@ -325,6 +325,23 @@ def test_shard_map_one_device():
         assert_same_bits(got, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU or len(jax.devices()) < 2,
+                    reason="needs JAX on 2 NVIDIA GPUs (the nvidia-h200-x2 machine runs it)")
+def test_shard_map_two_gpus_matches_unsharded():
+    """Two GPUs, each holding 2 of the 4 kv heads: jax-triton launches on both devices."""
+    mesh = Mesh(np.array(jax.devices()[:2]), (HEADS,))
+    inputs = write_inputs(SHARD_WRITE_CASE)
+    expected = reference.write_kv(**inputs, layout="HND")
+    for sharded, want in zip(sharded_write(mesh, inputs), expected):
+        assert len(sharded.sharding.device_set) == 2
+        assert_same_bits(sharded, want)
+    inputs = dequant_inputs(SHARD_DEQUANT_CASE)
+    expected = reference.dequantize_pages(**inputs, null_page=0)
+    for sharded, want in zip(sharded_dequantize(mesh, inputs), expected):
+        assert_same_bits(sharded, want)
+
+
 def test_shard_map_two_cpu_devices_matches_unsharded():
     """Two forced host devices (a fresh process): each holds 2 of the 4 kv heads."""
     out = run_python("""
