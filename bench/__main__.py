@@ -15,6 +15,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import argparse  # noqa: E402
 import platform  # noqa: E402
 import traceback  # noqa: E402
+from unittest import mock  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -165,7 +166,7 @@ def main(argv=None) -> None:
 
 
 def _jax_phase(args, cfg, copy_gbps, cuda, report: Report) -> None:
-    with jax_tables.kept_env("TRITON_CACHE_DIR"), warnings.catch_warnings():
+    with mock.patch.dict(os.environ), warnings.catch_warnings():
         # Donation is a no-op on some backends (the CPU); that is not news in a benchmark log.
         warnings.filterwarnings("ignore", message=".*donated buffers.*")
         loaded, reason = jax_tables.load_jax(cuda)

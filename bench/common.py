@@ -64,8 +64,6 @@ def make_config(cuda: bool, quick: bool) -> Config:
                   min_cache_bytes=64 * MiB, dequant_cache_pages=16384, copy_bytes=GiB)
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def num_sets(cfg: Config, set_bytes: int) -> int:

@@ -1,7 +1,7 @@
 """JAX tables: ``fp8kv_jax.write_kv`` against a jitted XLA scatter, and dequantize rows.
 
 They run after every torch table: importing jax_triton 0.3.1 sets ``TRITON_CACHE_DIR`` to "", which
-breaks later torch-side Triton launches in the same process (GPU.md); the variable is restored
+breaks later torch-side Triton launches in the same process ; the variable is restored
 around the import and around the whole JAX phase anyway.
 """
 from __future__ import annotations
@@ -11,24 +11,14 @@ import functools
 import os
 import statistics
 import time
+from unittest import mock
 
-from .common import Config, cdiv
+import triton
+
+from .common import Config
 from .dequant import dequant_bytes
 from .results import Table, tokens_case
 from .write_torch import HEAD_DIM, HEADS, PAGE_SIZE, SCALE
-
-
-@contextlib.contextmanager
-def kept_env(name: str):
-    """Restore environment variable ``name`` (or its absence) on exit."""
-    old = os.environ.get(name)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def load_jax(cuda: bool):
@@ -40,10 +30,10 @@ def load_jax(cuda: bool):
     """
     # JAX would otherwise take 75 % of the GPU's memory at start; read at jax's import only.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    with kept_env("TRITON_CACHE_DIR"):
+    with mock.patch.dict(os.environ):
         try:
             import jax
-            # Import jax_triton here, inside kept_env, so that no later lazy import of it (by
+            # Import jax_triton here, inside patch.dict, so that no later lazy import of it (by
             # fp8kv_jax) clears the variable again.
             with contextlib.suppress(Exception):
                 import jax_triton  # noqa: F401
@@ -153,7 +143,8 @@ def table_write_jax(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool) -
     mismatched = []
     for tokens in cfg.jax_tokens:
         name = tokens_case(tokens)
-        num_pages = max(cdiv(tokens, PAGE_SIZE) + 16, cdiv(cfg.min_cache_bytes, 2 * PAGE_SIZE * row))
+        num_pages = max(triton.cdiv(tokens, PAGE_SIZE) + 16,
+                        triton.cdiv(cfg.min_cache_bytes, 2 * PAGE_SIZE * row))
         rk, rv, rs = jax.random.split(jax.random.key(tokens), 3)
         key = jax.random.normal(rk, (tokens, HEADS, HEAD_DIM), jnp.bfloat16)
         value = jax.random.normal(rv, (tokens, HEADS, HEAD_DIM), jnp.bfloat16)

@@ -5,12 +5,13 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import triton
 
 import fp8kv_torch
 from fp8kv.formats import E4M3
 from fp8kv_torch import _launch
 
-from .common import Config, Timer, cdiv, free_memory, num_sets
+from .common import Config, Timer, free_memory, num_sets
 from .results import Table, tokens_case
 
 HEADS, HEAD_DIM, PAGE_SIZE = 8, 128, 16
@@ -111,7 +112,8 @@ def build_write_case(device, cfg: Config, tokens: int, *, heads=HEADS, head_dim=
     slot_dtype = torch.int64
     nbytes = tokens * row * (2 * dtype.itemsize + 2) + tokens * slot_dtype.itemsize
     page_bytes = page_size * row
-    num_pages = max(cdiv(tokens, page_size) + 16, cdiv(cfg.min_cache_bytes, 2 * page_bytes))
+    num_pages = max(triton.cdiv(tokens, page_size) + 16,
+                    triton.cdiv(cfg.min_cache_bytes, 2 * page_bytes))
     num_slots = num_pages * page_size
     if page_size == 1:
         page_shape = (heads, head_dim)

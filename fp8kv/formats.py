@@ -22,6 +22,22 @@ class Fp8Format:
     def bias(self) -> int:
         return (1 << (self.exp_bits - 1)) - 1
 
+    @property
+    def subnormal_unit(self) -> float:
+        """The value of the smallest subnormal (code 0x01)."""
+        return 2.0 ** (1 - self.bias - self.man_bits)
+
+    @property
+    def has_inf(self) -> bool:
+        """e5m2 keeps IEEE infinities (magnitude 0x7C) and NaNs above them; e4m3fn has no inf and
+        one NaN magnitude, 0x7F."""
+        return self.max_code < 0x7C
+
+    @property
+    def inf_magnitude(self) -> int:
+        """The magnitude byte of inf (e5m2); every larger magnitude is NaN. e4m3fn: 0x7F (NaN)."""
+        return ((1 << self.exp_bits) - 1) << self.man_bits if self.has_inf else 0x7F
+
 
 E4M3 = Fp8Format("e4m3", "float8_e4m3fn", 4, 3, 448.0, 0x7E, 0x7F)
 E5M2 = Fp8Format("e5m2", "float8_e5m2", 5, 2, 57344.0, 0x7B, 0x7F)
@@ -32,7 +48,6 @@ INPUT_DTYPES = ("bfloat16", "float16", "float32")
 OUTPUT_DTYPES = INPUT_DTYPES
 CACHE_DTYPES = ("float8_e4m3fn", "float8_e5m2", "uint8")
 SLOT_DTYPES = ("int32", "int64")
-LAYOUTS = ("NHD", "HND")
 
 # Dequantized NaNs are written as one canonical quiet NaN per output dtype, so that the GPU
 # (whose multiply returns 0x7FFFFFFF), the interpreter and XLA all give the same bits.

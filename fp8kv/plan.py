@@ -1,15 +1,20 @@
-"""Launch plans: grid, block sizes, warps, constexprs and scalar arguments, from shapes alone.
+"""Launch plans: grid, warps, and every scalar and constexpr by name, from shapes alone.
 
-Both frontends launch exactly what a plan says; nothing here imports torch or jax. Plans are cached
-on the (hashable) validated arguments, so a steady-state call costs one dict lookup.
+Both frontends launch exactly what a plan says (bound by name, :mod:`fp8kv.binding`); nothing here
+imports torch or jax. Plans are cached on the (hashable) validated arguments, so a steady-state
+call costs one dict lookup.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import triton
 
 from .arrays import ArrayInfo
-from .validate import DequantArgs, WriteArgs, page_is_packed
+from .layout import combined_halves, paged
+from .modes import OUT_KIND_OF_DTYPE
+from .validate import DequantArgs, WriteArgs
 
 INTERPRET, CUDA = "interpret", "cuda"
 
@@ -33,35 +38,26 @@ DEQUANT_SIZES = {
 }
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LaunchPlan:
-    """What to launch: ``kernel[grid](*arrays, *scalars, *outputs, num_warps=..., **constexprs)``.
+    """What to launch: grid, warps, and the kernel's scalars and constexprs by parameter name.
 
-    ``scalar_types`` gives each scalar's Triton type ("i32", "i64", "fp32") for frontends such as
-    jax-triton that type scalars themselves.
+    Scalars are Python ints (Triton types them i32 / i64 by value) and floats, which are fp32
+    parameters (:meth:`fp32_scalars` says which).
     """
 
     grid: tuple[int, ...]
     num_warps: int
-    constexpr_items: tuple[tuple[str, object], ...]
-    scalars: tuple
-    scalar_types: tuple[str, ...]
-
-    @property
-    def constexprs(self) -> dict:
-        return dict(self.constexpr_items)
+    scalars: dict = field(default_factory=dict)
+    constexprs: dict = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
         return any(g == 0 for g in self.grid)
+
+    @property
+    def fp32_scalars(self) -> frozenset:
+        return frozenset(name for name, v in self.scalars.items() if isinstance(v, float))
 
 
 def pow2_divisor(*values: int, cap: int = 16) -> int:
@@ -73,106 +69,87 @@ def pow2_divisor(*values: int, cap: int = 16) -> int:
     return align
 
 
-def _int_type(v: int) -> str:
-    return "i32" if -(2 ** 31) <= v < 2 ** 31 else "i64"
-
-
-def _scalars(values):
-    values = tuple(values)
-    types = tuple("fp32" if isinstance(v, float) else _int_type(v) for v in values)
-    return values, types
+def _exact(backend: str, exact: bool | None) -> bool:
+    """The interpreter must take the exact conversions (its own fp8/bf16 casts are wrong)."""
+    return backend == INTERPRET if exact is None else exact
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_write(args: WriteArgs, backend: str, exact: bool | None = None,
-               combined: bool = False) -> LaunchPlan:
-    """Plan ``_write_kv_kernel`` (or ``_write_kv_combined_kernel`` when ``combined``)."""
+def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> LaunchPlan:
+    """Plan ``_write_kv_kernel``; ``exact`` forces (True) or forbids (False) the exact path."""
     sizes = WRITE_SIZES[backend]
     kc, vc = args.key_cache, args.value_cache
     row = kc.num_heads * kc.head_dim
-    block_hd = min(next_pow2(row), sizes["max_block_hd"])
+    block_hd = min(triton.next_power_of_2(max(row, 1)), sizes["max_block_hd"])
     block_t = max(1, sizes["tile"] // block_hd)
     if backend == INTERPRET:  # no compile cost here: fit the tile to the batch
-        block_t = min(block_t, next_pow2(max(args.num_tokens, 1)))
+        block_t = min(block_t, triton.next_power_of_2(max(args.num_tokens, 1)))
     small = args.num_tokens * row <= sizes["small_batch_elems"]
-    num_warps = sizes["small_batch_warps"] if small else sizes["num_warps"]
     key, value = args.key, args.value
-    strides = [args.num_tokens, kc.num_pages * kc.page_size,
-               key.strides[0], key.strides[1], value.strides[0], value.strides[1],
-               kc.stride_page, kc.stride_slot, kc.stride_head]
-    if combined:
-        strides.append(args.value_offset)
-    else:
-        strides += [vc.stride_page, vc.stride_slot, vc.stride_head]
-    scalars, types = _scalars(strides + [float(args.key_scale_value), float(args.value_scale_value)])
-    constexprs = (
-        ("NUM_HEADS", kc.num_heads), ("HEAD_DIM", kc.head_dim), ("PAGE_SIZE", kc.page_size),
-        ("BLOCK_T", block_t), ("BLOCK_HD", block_hd),
-        ("K_SCALE_MODE", args.key_scale_mode), ("V_SCALE_MODE", args.value_scale_mode),
-        ("E5M2", args.fmt.name == "e5m2"), ("EXACT", backend == INTERPRET if exact is None else exact),
-        ("KEY_PACKED", key.strides[1] == kc.head_dim or kc.num_heads == 1),
-        ("VALUE_PACKED", value.strides[1] == kc.head_dim or kc.num_heads == 1),
-        ("CACHE_PACKED", kc.packed_rows and vc.packed_rows),
-        ("IN_ALIGN", pow2_divisor(key.strides[0], value.strides[0], key.strides[1],
-                                  value.strides[1])),
-        ("CACHE_ALIGN", pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
-                                     vc.stride_slot, vc.stride_head, args.value_offset)),
-        ("RECIPROCAL_DIV", sizes["reciprocal_div"] and small),
-    )
-    return LaunchPlan((cdiv(args.num_tokens, block_t),), num_warps, constexprs, scalars, types)
-
-
-OUT_KINDS = {"bfloat16": 0, "float16": 1, "float32": 2}
-
-
-def page_strides(out: ArrayInfo, args: DequantArgs) -> tuple[int, int, int]:
-    """``(page, slot, head)`` strides of an output laid out like the cache (rank 3: slot is 0)."""
-    s = out.strides
-    if args.cache_rank == 3:
-        return (s[0], 0, s[1])
-    return (s[0], s[1], s[2]) if args.layout == "NHD" else (s[0], s[2], s[1])
+    scalars = dict(
+        num_tokens=args.num_tokens, num_slots=kc.num_slots,
+        stride_key_token=key.strides[0], stride_key_head=key.strides[1],
+        stride_value_token=value.strides[0], stride_value_head=value.strides[1],
+        stride_kc_page=kc.stride_page, stride_kc_slot=kc.stride_slot, stride_kc_head=kc.stride_head,
+        stride_vc_page=vc.stride_page, stride_vc_slot=vc.stride_slot, stride_vc_head=vc.stride_head,
+        value_cache_offset=vc.offset,
+        key_scale_value=float(args.key_scale_value), value_scale_value=float(args.value_scale_value))
+    constexprs = dict(
+        NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
+        BLOCK_T=block_t, BLOCK_HD=block_hd,
+        K_SCALE_MODE=int(args.key_scale_mode), V_SCALE_MODE=int(args.value_scale_mode),
+        E5M2=args.fmt.name == "e5m2", EXACT=_exact(backend, exact),
+        KEY_PACKED=key.strides[1] == kc.head_dim or kc.num_heads == 1,
+        VALUE_PACKED=value.strides[1] == kc.head_dim or kc.num_heads == 1,
+        CACHE_PACKED=kc.packed_rows and vc.packed_rows,
+        IN_ALIGN=pow2_divisor(key.strides[0], value.strides[0], key.strides[1], value.strides[1]),
+        CACHE_ALIGN=pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
+                                 vc.stride_slot, vc.stride_head, vc.offset),
+        RECIPROCAL_DIV=sizes["reciprocal_div"] and small,
+        # One buffer holds both caches: V goes through the K output (one output per buffer).
+        SHARED_OUT=args.combined)
+    num_warps = sizes["small_batch_warps"] if small else sizes["num_warps"]
+    return LaunchPlan((triton.cdiv(args.num_tokens, block_t),), num_warps, scalars, constexprs)
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo | None,
                     backend: str, exact: bool | None = None) -> LaunchPlan:
-    """Plan ``_dequantize_pages_kernel``, or ``_dequantize_pages_combined_kernel`` when
-    ``value_out`` is None and ``key_out`` is a combined ``[N, 2, ...]`` output.
-    """
-    combined = value_out is None
-    ko = page_strides(key_out.drop_dim(1) if combined else key_out, args)
-    vo = (key_out.strides[1],) if combined else page_strides(value_out, args)
+    """Plan ``_dequantize_pages_kernel``. ``value_out`` None: ``key_out`` is a combined
+    ``[N, 2, ...]`` output holding both."""
+    combined_out = value_out is None
+    if combined_out:
+        ko, vo = combined_halves(key_out, args.layout)
+    else:
+        ko, vo = paged(key_out, args.layout), paged(value_out, args.layout)
     sizes = DEQUANT_SIZES[backend]
     kc, vc = args.key_cache, args.value_cache
     page_elems = kc.page_size * kc.num_heads * kc.head_dim
-    block = min(next_pow2(page_elems), sizes["block"])
-    num_entries = args.batch * args.pages_per_seq
+    block = min(triton.next_power_of_2(max(page_elems, 1)), sizes["block"])
     table = args.block_table
-    null_page = -1 if args.null_page is None else args.null_page
-    values = [num_entries, max(args.pages_per_seq, 1), table.strides[0], table.strides[1],
-              kc.num_pages, null_page, args.value_in_offset,
-              kc.stride_page, kc.stride_slot, kc.stride_head,
-              vc.stride_page, vc.stride_slot, vc.stride_head, *ko, *vo,
-              float(args.key_scale_value), float(args.value_scale_value)]
-    scalars, types = _scalars(values)
-
-    def packed(strides):
-        return page_is_packed(args.layout, kc.page_size, kc.num_heads, kc.head_dim, strides[1],
-                              strides[2])
-
-    out_packed = packed(ko) and (combined or packed(vo))
-    constexprs = (
-        ("NUM_HEADS", kc.num_heads), ("HEAD_DIM", kc.head_dim), ("PAGE_SIZE", kc.page_size),
-        ("HND", args.layout == "HND" and args.cache_rank == 4), ("BLOCK", block),
-        ("K_SCALE_MODE", args.key_scale_mode), ("V_SCALE_MODE", args.value_scale_mode),
-        ("E5M2", args.fmt.name == "e5m2"), ("OUT_KIND", OUT_KINDS[args.out_dtype]),
-        ("EXACT", backend == INTERPRET if exact is None else exact),
-        ("HAS_NULL_PAGE", args.null_page is not None),
-        ("IN_PACKED", kc.packed_pages(args.layout) and vc.packed_pages(args.layout)),
-        ("OUT_PACKED", out_packed),
-        ("IN_ALIGN", pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
-                                  vc.stride_slot, vc.stride_head, args.value_in_offset)),
-        ("OUT_ALIGN", pow2_divisor(*ko, *vo)),
-    )
-    grid = (num_entries * cdiv(page_elems, block),)
-    return LaunchPlan(grid, sizes["num_warps"], constexprs, scalars, types)
+    scalars = dict(
+        pages_per_seq=max(args.pages_per_seq, 1), stride_table_seq=table.strides[0],
+        stride_table_page=table.strides[1], num_pages=kc.num_pages,
+        null_page=-1 if args.null_page is None else args.null_page,
+        stride_kc_page=kc.stride_page, stride_kc_slot=kc.stride_slot, stride_kc_head=kc.stride_head,
+        stride_vc_page=vc.stride_page, stride_vc_slot=vc.stride_slot, stride_vc_head=vc.stride_head,
+        value_cache_offset=vc.offset,
+        stride_ko_page=ko.stride_page, stride_ko_slot=ko.stride_slot, stride_ko_head=ko.stride_head,
+        stride_vo_page=vo.stride_page, stride_vo_slot=vo.stride_slot, stride_vo_head=vo.stride_head,
+        value_out_offset=vo.offset,
+        key_scale_value=float(args.key_scale_value), value_scale_value=float(args.value_scale_value))
+    constexprs = dict(
+        NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
+        HND=args.layout == "HND" and args.cache_rank == 4, BLOCK=block,
+        K_SCALE_MODE=int(args.key_scale_mode), V_SCALE_MODE=int(args.value_scale_mode),
+        E5M2=args.fmt.name == "e5m2", OUT_KIND=int(OUT_KIND_OF_DTYPE[args.out_dtype]),
+        EXACT=_exact(backend, exact), HAS_NULL_PAGE=args.null_page is not None,
+        IN_PACKED=kc.packed_pages(args.layout) and vc.packed_pages(args.layout),
+        OUT_PACKED=ko.packed_pages(args.layout) and vo.packed_pages(args.layout),
+        IN_ALIGN=pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
+                              vc.stride_slot, vc.stride_head, vc.offset),
+        OUT_ALIGN=pow2_divisor(ko.stride_page, ko.stride_slot, ko.stride_head, vo.stride_page,
+                               vo.stride_slot, vo.stride_head, vo.offset),
+        SHARED_OUT=combined_out)
+    grid = (args.batch * args.pages_per_seq * triton.cdiv(page_elems, block),)
+    return LaunchPlan(grid, sizes["num_warps"], scalars, constexprs)

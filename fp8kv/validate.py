@@ -10,48 +10,10 @@ from dataclasses import dataclass
 from numbers import Real
 
 from .arrays import ArrayInfo, fmt_shape
-from .formats import (CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, INPUT_DTYPES, LAYOUTS, OUTPUT_DTYPES,
+from .formats import (CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, INPUT_DTYPES, OUTPUT_DTYPES,
                       SLOT_DTYPES, Fp8Format)
-
-
-
-# How a kernel gets a scale (the SCALE_* constexprs of fp8kv.ops.fp8_math mirror these).
-SCALE_NONE = 0     # no scale, or 1.0: x / 1 is exact, skip the division
-SCALE_VALUE = 1    # a host float, passed as an fp32 scalar
-SCALE_TENSOR = 2   # a device fp32 scalar ([] or [1])
-SCALE_HEAD = 3     # a device fp32 vector, one per kv head
-
-
-@dataclass(frozen=True)
-class PagedCache:
-    """A K or V cache seen as pages: ``[num_pages, page_size, num_heads, head_dim]`` + strides."""
-
-    num_pages: int
-    page_size: int
-    num_heads: int
-    head_dim: int
-    stride_page: int
-    stride_slot: int
-    stride_head: int
-
-    @property
-    def packed_rows(self) -> bool:
-        """A token's ``num_heads * head_dim`` row is contiguous."""
-        return self.stride_head == self.head_dim or self.num_heads == 1
-
-    def packed_pages(self, layout: str) -> bool:
-        """A page's ``page_size * num_heads * head_dim`` elements are contiguous, in layout order."""
-        return page_is_packed(layout, self.page_size, self.num_heads, self.head_dim,
-                              self.stride_slot, self.stride_head)
-
-
-def page_is_packed(layout, page_size, num_heads, head_dim, stride_slot, stride_head) -> bool:
-    rows_packed = stride_head == head_dim or num_heads == 1
-    if page_size == 1:
-        return rows_packed
-    if layout == "NHD":
-        return rows_packed and stride_slot == num_heads * head_dim
-    return stride_slot == head_dim and (num_heads == 1 or stride_head == page_size * head_dim)
+from .layout import LAYOUTS, PagedCache, combined_halves, expected_cache_shape, paged, pages_shape
+from .modes import ScaleMode
 
 
 def check_layout(layout) -> str:
@@ -92,35 +54,27 @@ def check_same_device(named: dict) -> str:
     return first
 
 
-def paged_view(cache: ArrayInfo, layout: str, name: str, combined: bool = False) -> PagedCache:
-    """Check a cache's dtype/rank/strides and return it as pages (``combined``: its K half)."""
+def check_cache(cache: ArrayInfo, layout: str, name: str, combined: bool = False):
+    """Check a cache's dtype, rank and strides; return it as pages (``combined``: K and V)."""
     check_dtype(cache, name, CACHE_DTYPES)
     check_unit_last_stride(cache, name)
-    middle = "page_size, num_kv_heads" if layout == "NHD" else "num_kv_heads, page_size"
-    expected = {3: "[num_slots, num_kv_heads, head_dim]", 4: f"[num_pages, {middle}, head_dim]"}
+    half = cache
     if combined:
         if cache.ndim not in (4, 5) or cache.shape[1] != 2:
             raise ValueError(f"{name}: expected a combined cache [num_pages, 2, ...] of rank 4 or 5 "
                              f"(layout={layout!r}), got shape {fmt_shape(cache.shape)}")
-        cache = cache.drop_dim(1)
-    if cache.ndim not in (3, 4):
-        raise ValueError(f"{name}: expected rank 3 {expected[3]} or rank 4 {expected[4]}, got shape "
-                         f"{fmt_shape(cache.shape)}")
+        half = cache.drop_dim(1)
+    if half.ndim not in (3, 4):
+        raise ValueError(f"{name}: expected rank 3 {expected_cache_shape(layout, 3)} or rank 4 "
+                         f"{expected_cache_shape(layout, 4)}, got shape {fmt_shape(half.shape)}")
     if any(s < 0 for s in cache.strides):
         raise ValueError(f"{name}: expected non-negative strides, got {fmt_shape(cache.strides)}")
-    if cache.ndim == 3:
-        n, h, d = cache.shape
-        return PagedCache(n, 1, h, d, cache.strides[0], 0, cache.strides[1])
-    if layout == "NHD":
-        p, s, h, d = cache.shape
-        return PagedCache(p, s, h, d, cache.strides[0], cache.strides[1], cache.strides[2])
-    p, h, s, d = cache.shape
-    return PagedCache(p, s, h, d, cache.strides[0], cache.strides[2], cache.strides[1])
+    return combined_halves(cache, layout) if combined else paged(cache, layout)
 
 
 def check_cache_pair(key_cache: ArrayInfo, value_cache: ArrayInfo, layout: str):
-    k = paged_view(key_cache, layout, "key_cache")
-    v = paged_view(value_cache, layout, "value_cache")
+    k = check_cache(key_cache, layout, "key_cache")
+    v = check_cache(value_cache, layout, "value_cache")
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"value_cache: expected the shape of key_cache {fmt_shape(key_cache.shape)}, "
                          f"got {fmt_shape(value_cache.shape)}")
@@ -131,9 +85,9 @@ def check_cache_pair(key_cache: ArrayInfo, value_cache: ArrayInfo, layout: str):
 
 
 def check_scale(scale, name: str, num_heads: int, device: str):
-    """Return the scale mode (``SCALE_*``) and the host value."""
+    """Return the :class:`~fp8kv.modes.ScaleMode` and the host value."""
     if scale is None:
-        return SCALE_NONE, 1.0
+        return ScaleMode.NONE, 1.0
     if isinstance(scale, ArrayInfo):
         if scale.dtype != "float32":
             raise TypeError(f"{name}: expected dtype float32, got {scale.dtype}")
@@ -143,16 +97,16 @@ def check_scale(scale, name: str, num_heads: int, device: str):
         if scale.device != device:
             raise ValueError(f"{name}: expected device {device} (that of the cache), got {scale.device}")
         if scale.shape == (num_heads,) and num_heads > 1:
-            return SCALE_HEAD, 1.0
-        return SCALE_TENSOR, 1.0
+            return ScaleMode.HEAD, 1.0
+        return ScaleMode.TENSOR, 1.0
     if isinstance(scale, bool) or not isinstance(scale, Real):
         raise TypeError(f"{name}: expected None, a float or a float32 array, got {type(scale).__name__}")
     value = float(scale)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name}: expected a finite scale > 0, got {value}")
     if value == 1.0:  # x / 1 == x exactly: skip the division
-        return SCALE_NONE, 1.0
-    return SCALE_VALUE, value
+        return ScaleMode.NONE, 1.0
+    return ScaleMode.VALUE, value
 
 
 @dataclass(frozen=True)
@@ -163,11 +117,12 @@ class WriteArgs:
     key_cache: PagedCache
     value_cache: PagedCache
     fmt: Fp8Format
-    key_scale_mode: int
+    key_scale_mode: ScaleMode
     key_scale_value: float
-    value_scale_mode: int
+    value_scale_mode: ScaleMode
     value_scale_value: float
-    value_offset: int  # combined cache: elements from a K element to its V twin
+    layout: str
+    combined: bool  # one [num_pages, 2, ...] cache: the K and the V operand, V at its offset
 
 
 def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scale, *, layout,
@@ -189,13 +144,11 @@ def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scal
     if value.dtype != key.dtype:
         raise TypeError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
     if kv_cache is not None:
-        kc = vc = paged_view(kv_cache, layout, "kv_cache", combined=True)
+        kc, vc = check_cache(kv_cache, layout, "kv_cache", combined=True)
         fmt = check_format(kv_cache, fp8_format, "kv_cache")
-        value_offset = kv_cache.strides[1]
     else:
         kc, vc = check_cache_pair(key_cache, value_cache, layout)
         fmt = check_format(key_cache, fp8_format, "key_cache")
-        value_offset = 0
     cache_name = "kv_cache" if kv_cache is not None else "key_cache"
     num_tokens, num_heads, head_dim = key.shape
     if (kc.num_heads, kc.head_dim) != (num_heads, head_dim):
@@ -208,7 +161,7 @@ def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scal
     ks_mode, ks_value = check_scale(key_scale, "key_scale", num_heads, device)
     vs_mode, vs_value = check_scale(value_scale, "value_scale", num_heads, device)
     return WriteArgs(num_tokens, key, value, kc, vc, fmt, ks_mode, ks_value, vs_mode, vs_value,
-                     value_offset)
+                     layout, kv_cache is not None)
 
 
 @dataclass(frozen=True)
@@ -218,15 +171,14 @@ class DequantArgs:
     block_table: ArrayInfo
     key_cache: PagedCache
     value_cache: PagedCache
-    value_in_offset: int
     fmt: Fp8Format
     out_dtype: str
     layout: str
     cache_rank: int
     null_page: int | None
-    key_scale_mode: int
+    key_scale_mode: ScaleMode
     key_scale_value: float
-    value_scale_mode: int
+    value_scale_mode: ScaleMode
     value_scale_value: float
 
 
@@ -237,13 +189,13 @@ def check_dequantize(key_cache, value_cache, block_table, key_scale, value_scale
                                                                   "value_cache": value_cache}
     device = check_same_device({**caches, "block_table": block_table})
     if kv_cache is not None:
-        kc = vc = paged_view(kv_cache, layout, "kv_cache", combined=True)
+        kc, vc = check_cache(kv_cache, layout, "kv_cache", combined=True)
         fmt = check_format(kv_cache, fp8_format, "kv_cache")
-        value_in_offset, rank = kv_cache.strides[1], kv_cache.ndim - 1
+        rank = kv_cache.ndim - 1
     else:
         kc, vc = check_cache_pair(key_cache, value_cache, layout)
         fmt = check_format(key_cache, fp8_format, "key_cache")
-        value_in_offset, rank = 0, key_cache.ndim
+        rank = key_cache.ndim
     if dtype not in OUTPUT_DTYPES:
         raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
     check_dtype(block_table, "block_table", ("int32", "int64"))
@@ -255,21 +207,14 @@ def check_dequantize(key_cache, value_cache, block_table, key_scale, value_scale
     ks_mode, ks_value = check_scale(key_scale, "key_scale", kc.num_heads, device)
     vs_mode, vs_value = check_scale(value_scale, "value_scale", kc.num_heads, device)
     batch, pages_per_seq = block_table.shape
-    return DequantArgs(batch, pages_per_seq, block_table, kc, vc, value_in_offset, fmt, dtype, layout,
-                       rank, null_page, ks_mode, ks_value, vs_mode, vs_value)
+    return DequantArgs(batch, pages_per_seq, block_table, kc, vc, fmt, dtype, layout, rank, null_page,
+                       ks_mode, ks_value, vs_mode, vs_value)
 
 
 def dequantized_shape(args: DequantArgs, combined: bool) -> tuple[int, ...]:
     """Shape of ``key_pages`` (or of the combined output)."""
-    c = args.key_cache
-    n = args.batch * args.pages_per_seq
-    if args.cache_rank == 3:
-        page = (c.num_heads, c.head_dim)
-    elif args.layout == "NHD":
-        page = (c.page_size, c.num_heads, c.head_dim)
-    else:
-        page = (c.num_heads, c.page_size, c.head_dim)
-    return (n, 2) + page if combined else (n,) + page
+    return pages_shape(args.key_cache, args.layout, args.cache_rank,
+                       args.batch * args.pages_per_seq, combined)
 
 
 def check_out(out: ArrayInfo, name: str, shape, dtype: str, device: str) -> None:

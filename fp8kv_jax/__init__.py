@@ -18,14 +18,20 @@ Every function returns new arrays. To update a cache in place, donate it under `
 """
 from __future__ import annotations
 
+from typing import Union
+
+import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from fp8kv.validate import dequantized_shape
 
-from . import _args, _triton, _xla
+from . import _args, _jnp, _triton
 from ._args import as_array, as_caches, as_scale, device_scale
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
+
+Scale = Union[float, jax.Array, None]
 
 
 def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format):
@@ -35,16 +41,15 @@ def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format
     args = _args.write_args(key, value, caches, slots, key_scale, value_scale, layout, fp8_format)
     if args.num_tokens == 0:  # nothing to write: no launch
         return caches
-    impl = _triton if _args.use_triton((key, value, *caches, slots)) else _xla
-    combined = len(caches) == 1
-    out = impl.write_kv(key, value, caches[0], None if combined else caches[1], slots,
-                        device_scale(key_scale), device_scale(value_scale), args=args,
-                        layout=layout, combined=combined)
-    return (out,) if combined else out
+    impl = _triton if _args.use_triton((key, value, *caches, slots)) else _jnp
+    out = impl.write_kv(key, value, caches[0], None if args.combined else caches[1], slots,
+                        device_scale(key_scale), device_scale(value_scale), args=args)
+    return (out,) if args.combined else out
 
 
-def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_scale=None, *,
-             layout="NHD", fp8_format=None):
+def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
+             slots: jax.Array, key_scale: Scale = None, value_scale: Scale = None, *,
+             layout: str = "NHD", fp8_format: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Quantize ``key``/``value`` to FP8 and write them into a paged cache, in one launch.
 
     Parameters
@@ -96,8 +101,9 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
                   fp8_format)
 
 
-def write_kv_combined(key, value, kv_cache, slots, key_scale=None, value_scale=None, *,
-                      layout="NHD", fp8_format=None):
+def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slots: jax.Array,
+                      key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
+                      fp8_format: str | None = None) -> jax.Array:
     """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
 
     Parameters
@@ -144,14 +150,17 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
         shape = dequantized_shape(args, combined)
         pages = (jnp.zeros(shape, args.out_dtype),) * (1 if combined else 2)
         return (*pages, jnp.zeros((args.batch, args.pages_per_seq), jnp.int32))
-    impl = _triton if _args.use_triton((*caches, block_table)) else _xla
+    impl = _triton if _args.use_triton((*caches, block_table)) else _jnp
     return impl.dequantize_pages(caches[0], None if combined else caches[1], block_table,
                                  device_scale(key_scale), device_scale(value_scale), args=args,
                                  combined=combined)
 
 
-def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_scale=None, *,
-                     dtype=jnp.bfloat16, layout="NHD", fp8_format=None, null_page=None):
+def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: jax.Array,
+                     key_scale: Scale = None, value_scale: Scale = None, *,
+                     dtype: DTypeLike = jnp.bfloat16, layout: str = "NHD",
+                     fp8_format: str | None = None, null_page: int | None = None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dequantize the pages a block table names into a compact paged cache + renumbered table.
 
     Parameters
@@ -201,8 +210,10 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
                        layout, fp8_format, null_page)
 
 
-def dequantize_pages_combined(kv_cache, block_table, key_scale=None, value_scale=None, *,
-                              dtype=jnp.bfloat16, layout="NHD", fp8_format=None, null_page=None):
+def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_scale: Scale = None,
+                              value_scale: Scale = None, *, dtype: DTypeLike = jnp.bfloat16,
+                              layout: str = "NHD", fp8_format: str | None = None,
+                              null_page: int | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
 
     Parameters

@@ -7,6 +7,8 @@ graphs capture it.
 """
 from __future__ import annotations
 
+from typing import Sequence, Union
+
 import torch
 
 from . import _launch
@@ -14,6 +16,9 @@ from ._ops import dequantize_pages_op, split_scale, write_kv_op
 from fp8kv.validate import dequantized_shape
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
+
+Tensor = torch.Tensor
+Scale = Union[float, Tensor, None]
 
 
 def _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format):
@@ -26,8 +31,9 @@ def _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, la
                          fp8_format)
 
 
-def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_scale=None, *,
-             layout="NHD", fp8_format=None) -> None:
+def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor,
+             key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
+             fp8_format: str | None = None) -> None:
     """Quantize ``key``/``value`` to FP8 and write them into a paged cache, in one launch.
 
     Parameters
@@ -75,8 +81,9 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
     _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format)
 
 
-def write_kv_combined(key, value, kv_cache, slots, key_scale=None, value_scale=None, *,
-                      layout="NHD", fp8_format=None) -> None:
+def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor,
+                      key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
+                      fp8_format: str | None = None) -> None:
     """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
 
     Parameters
@@ -107,7 +114,7 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
     args = None
     if out is None:
         args = _launch.dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale,
-                                       str(dtype)[6:], layout, fp8_format, null_page)
+                                       _launch.dtype_name(dtype), layout, fp8_format, null_page)
         shape = dequantized_shape(args, combined)
         device = key_cache.device
         outs = [torch.empty(shape, dtype=dtype, device=device)]
@@ -134,8 +141,11 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
     return tuple(outs)
 
 
-def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_scale=None, *,
-                     dtype=torch.bfloat16, layout="NHD", fp8_format=None, null_page=None, out=None):
+def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+                     key_scale: Scale = None, value_scale: Scale = None, *,
+                     dtype: torch.dtype = torch.bfloat16, layout: str = "NHD",
+                     fp8_format: str | None = None, null_page: int | None = None,
+                     out: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Dequantize the pages a block table names into a compact paged cache + renumbered table.
 
     Parameters
@@ -183,9 +193,11 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
                        fp8_format, null_page, out, combined=False)
 
 
-def dequantize_pages_combined(kv_cache, block_table, key_scale=None, value_scale=None, *,
-                              dtype=torch.bfloat16, layout="NHD", fp8_format=None, null_page=None,
-                              out=None):
+def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: Scale = None,
+                              value_scale: Scale = None, *, dtype: torch.dtype = torch.bfloat16,
+                              layout: str = "NHD", fp8_format: str | None = None,
+                              null_page: int | None = None,
+                              out: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
 
     Parameters

@@ -7,12 +7,18 @@ from triton.runtime import driver
 
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
+from fp8kv.binding import BoundCall, bind
 from fp8kv.plan import CUDA, INTERPRET, plan_dequantize, plan_write
 from fp8kv.validate import check_dequantize, check_out, check_write, dequantized_shape
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the name the core uses for a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def info(t: torch.Tensor) -> ArrayInfo:
-    return ArrayInfo(tuple(t.shape), tuple(t.stride()), str(t.dtype)[6:], str(t.device))
+    return ArrayInfo(tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype), str(t.device))
 
 
 def scale_arg(scale):
@@ -28,15 +34,15 @@ def _backend(t: torch.Tensor, name: str) -> str:
     raise ValueError(f"{name}: expected a CUDA or CPU tensor, got device {t.device}")
 
 
-def _launch(kernel, plan, backend, device, arrays, outputs):
-    """Launch through Triton's own entry point; returns the CompiledKernel on CUDA."""
+def _launch(kernel, plan, backend, device, arrays):
+    """Launch through Triton's own entry point; returns the bound call and, on CUDA, the
+    CompiledKernel."""
+    call = bind(kernel, plan, arrays)
     kernel = ops.kernel_for(kernel, backend == INTERPRET)
     if backend == CUDA and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
-            return kernel[plan.grid](*arrays, *plan.scalars, *outputs, num_warps=plan.num_warps,
-                                     **plan.constexprs)
-    return kernel[plan.grid](*arrays, *plan.scalars, *outputs, num_warps=plan.num_warps,
-                             **plan.constexprs)
+            return call, kernel[plan.grid](*call.args, num_warps=plan.num_warps, **call.constexprs)
+    return call, kernel[plan.grid](*call.args, num_warps=plan.num_warps, **call.constexprs)
 
 
 class _ReadyLaunch:
@@ -47,22 +53,24 @@ class _ReadyLaunch:
     the plan and Triton's specialization (shapes, strides, dtypes, scales, 16-byte alignment).
     """
 
-    __slots__ = ("compiled", "grid", "scalars", "constexprs")
+    __slots__ = ("compiled", "grid", "inputs", "outputs", "scalars", "constexprs")
 
-    def __init__(self, compiled, plan):
+    def __init__(self, compiled, call: BoundCall, grid):
         self.compiled = compiled
-        self.grid = plan.grid + (1,) * (3 - len(plan.grid))
-        self.scalars = plan.scalars
-        self.constexprs = tuple(plan.constexprs[name] for name in compiled.src.fn.arg_names
-                                if name in plan.constexprs)
+        self.grid = grid + (1,) * (3 - len(grid))
+        self.inputs, self.outputs = call.signature.inputs, call.signature.outputs
+        self.scalars = call.scalars
+        self.constexprs = tuple(call.constexprs.values())
 
-    def __call__(self, device_index, arrays, outputs):
+    def __call__(self, device_index, arrays):
         c = self.compiled
+        args = (*[arrays[n] for n in self.inputs], *self.scalars,
+                *[arrays[n] for n in self.outputs], *self.constexprs)
         stream = driver.active.get_current_stream(device_index)
         meta = None if knobs.runtime.launch_enter_hook is None else c.launch_metadata(
-            self.grid, stream, *arrays, *self.scalars, *outputs, *self.constexprs)
+            self.grid, stream, *args)
         c.run(*self.grid, stream, c.function, c.packed_metadata, meta, knobs.runtime.launch_enter_hook,
-              knobs.runtime.launch_exit_hook, *arrays, *self.scalars, *outputs, *self.constexprs)
+              knobs.runtime.launch_exit_hook, *args)
 
 
 _READY: dict = {}
@@ -100,8 +108,8 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
                      key.device.index)
         ready = _READY.get(ready_key)
         if ready is not None:
-            ready(key.device.index, *_write_operands(key, value, key_cache, value_cache, slots,
-                                                     key_scale, value_scale))
+            ready(key.device.index, _write_operands(key, value, key_cache, value_cache, slots,
+                                                    key_scale, value_scale))
             return
     args = check_write(
         info(key), info(value), None if combined else info(key_cache),
@@ -109,25 +117,30 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
         scale_arg(key_scale), scale_arg(value_scale),
         layout=layout, fp8_format=fp8_format, kv_cache=info(key_cache) if combined else None)
     backend = _backend(key, "key")
-    plan = plan_write(args, backend, exact, combined)
+    plan = plan_write(args, backend, exact)
     if plan.empty or not launch:
         return
-    arrays, outputs = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale)
-    kernel = ops._write_kv_combined_kernel if combined else ops._write_kv_kernel
-    compiled = _launch(kernel, plan, backend, key.device, arrays, outputs)
+    arrays = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale)
+    call, compiled = _launch(ops._write_kv_kernel, plan, backend, key.device, arrays)
     if ready_key is not None:
         if len(_READY) >= _READY_LIMIT:
             _READY.clear()
-        _READY[ready_key] = _ReadyLaunch(compiled, plan)
+        _READY[ready_key] = _ReadyLaunch(compiled, call, plan.grid)
 
 
-def _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale):
-    """Kernel array operands and outputs (a cache is passed as input and as output)."""
-    ks = key_scale if isinstance(key_scale, torch.Tensor) else slots  # unused placeholder pointer
-    vs = value_scale if isinstance(value_scale, torch.Tensor) else slots
-    if value_cache is None:
-        return (key, value, key_cache, slots, ks, vs), (key_cache,)
-    return (key, value, key_cache, value_cache, slots, ks, vs), (key_cache, value_cache)
+def _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale) -> dict:
+    """The kernel's arrays by name. Each cache is an input and an output; a combined cache
+    (``value_cache`` None) is both caches, the plan's offset finding V in it."""
+    value_cache = key_cache if value_cache is None else value_cache
+    return dict(key_ptr=key, value_ptr=value, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+                slot_ptr=slots, key_scale_ptr=_pointer_or(key_scale, slots),
+                value_scale_ptr=_pointer_or(value_scale, slots), key_cache_out_ptr=key_cache,
+                value_cache_out_ptr=value_cache)
+
+
+def _pointer_or(scale, placeholder):
+    """A device scale, or a placeholder pointer that the plan's scale mode never reads."""
+    return scale if isinstance(scale, torch.Tensor) else placeholder
 
 
 def dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
@@ -148,7 +161,7 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     combined output. ``args``: the caller's :func:`dequantize_args` for these inputs, if it has them
     (the allocating call validated already to size the outputs).
     """
-    dtype = str(key_out.dtype)[6:]
+    dtype = dtype_name(key_out.dtype)
     if args is None:
         args = dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale, dtype,
                                layout, fp8_format, null_page)
@@ -165,13 +178,9 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
                            exact)
     if plan.empty or not launch:
         return
-    vc = key_cache if value_cache is None else value_cache
-    ks = key_scale if isinstance(key_scale, torch.Tensor) else block_table
-    vs = value_scale if isinstance(value_scale, torch.Tensor) else block_table
-    arrays = (key_cache, vc, block_table, ks, vs)
-    if combined_out:
-        _launch(ops._dequantize_pages_combined_kernel, plan, backend, key_cache.device, arrays,
-                (key_out, table_out))
-    else:
-        _launch(ops._dequantize_pages_kernel, plan, backend, key_cache.device, arrays,
-                (key_out, value_out, table_out))
+    value_cache = key_cache if value_cache is None else value_cache
+    arrays = dict(key_cache_ptr=key_cache, value_cache_ptr=value_cache, table_ptr=block_table,
+                  key_scale_ptr=_pointer_or(key_scale, block_table),
+                  value_scale_ptr=_pointer_or(value_scale, block_table), key_out_ptr=key_out,
+                  value_out_ptr=key_out if combined_out else value_out, new_table_ptr=table_out)
+    _launch(ops._dequantize_pages_kernel, plan, backend, key_cache.device, arrays)

@@ -140,7 +140,7 @@ def test_dequantize_pages_combined_parity(case):
 # fp8kv_jax's GPU launch code, run on any machine: a stand-in for jax_triton.triton_call that checks
 # what jax-triton 0.3.1 requires and runs the kernel in Triton's interpreter (in torch's place).
 
-def _interpreted_triton_call(*args, kernel, out_shape, grid, num_warps, input_output_aliases,
+def _interpreted_triton_call(*args, kernel, out_shape, grid, num_warps, input_output_aliases, name,
                              **constexprs):
     arrays = [a for a in args if isinstance(a, jax.Array)]
     scalars = args[len(arrays):]
@@ -148,6 +148,7 @@ def _interpreted_triton_call(*args, kernel, out_shape, grid, num_warps, input_ou
     # (a Python float would be fp64, a NumPy int an array).
     assert all(not isinstance(s, jax.Array) for s in scalars), "an array after a scalar"
     assert all(type(s) in (int, np.float32) for s in scalars), [type(s) for s in scalars]
+    assert name == kernel.fn.__name__
     for i, o in input_output_aliases.items():
         assert (arrays[i].shape, arrays[i].dtype) == (out_shape[o].shape, out_shape[o].dtype)
 

@@ -16,6 +16,7 @@ from triton.compiler import ASTSource
 from cases import DEQUANT_CASES, WRITE_CASES, scale_values
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
+from fp8kv.binding import bind
 from fp8kv.plan import CUDA, plan_dequantize, plan_write
 from fp8kv.validate import check_dequantize, check_write, dequantized_shape
 
@@ -25,30 +26,46 @@ POINTER_TYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32",
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_hopper(kernel, input_dtypes, output_dtypes, plan, int_divisibility=True):
+def compile_for_hopper(kernel, arrays: dict, plan, int_divisibility=True):
     """Compile like a launch with 16-byte-aligned tensors would (Triton's default specialization).
 
-    ``int_divisibility=False`` compiles as jax-triton does: integer arguments carry no
-    divisibility-by-16 attribute.
+    ``arrays`` maps each array parameter to its dtype name; the plan's names are bound exactly as
+    the frontends bind them. ``int_divisibility=False`` compiles as jax-triton does: integer
+    arguments carry no divisibility-by-16 attribute.
     """
-    params = ([(POINTER_TYPES[d], None) for d in input_dtypes] + list(zip(plan.scalar_types, plan.scalars))
-              + [(POINTER_TYPES[d], None) for d in output_dtypes])
-    constexprs = plan.constexprs
+    call = bind(kernel, plan, arrays)
+    sig = call.signature
+    runtime = dict(zip(sig.inputs + sig.scalars + sig.outputs, call.args))
     signature, attrs, consts = {}, {}, {}
-    runtime = iter(params)
     for index, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name], consts[(index,)] = "constexpr", constexprs[name]
+        if name in call.constexprs:
+            signature[name], consts[(index,)] = "constexpr", call.constexprs[name]
             continue
-        ty, value = next(runtime)
-        if isinstance(value, int) and value == 1:   # Triton makes ints equal to 1 constexprs
-            signature[name], consts[(index,)] = "constexpr", 1
-            continue
-        signature[name] = ty
-        if ty.startswith("*") or (int_divisibility and isinstance(value, int) and value % 16 == 0):
+        value = runtime[name]
+        if name in sig.scalars:
+            if isinstance(value, int) and value == 1:   # Triton makes ints equal to 1 constexprs
+                signature[name], consts[(index,)] = "constexpr", 1
+                continue
+            signature[name] = "fp32" if isinstance(value, float) else (
+                "i32" if -2**31 <= value < 2**31 else "i64")
+            if int_divisibility and isinstance(value, int) and value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = POINTER_TYPES[value]
             attrs[(index,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=HOPPER, options=dict(num_warps=plan.num_warps))
+
+
+def write_arrays(x, cache, slots, scale):
+    return dict(key_ptr=x, value_ptr=x, key_cache_ptr=cache, value_cache_ptr=cache, slot_ptr=slots,
+                key_scale_ptr=scale, value_scale_ptr=scale, key_cache_out_ptr=cache,
+                value_cache_out_ptr=cache)
+
+
+def dequant_arrays(cache, table, scale, out):
+    return dict(key_cache_ptr=cache, value_cache_ptr=cache, table_ptr=table, key_scale_ptr=scale,
+                value_scale_ptr=scale, key_out_ptr=out, value_out_ptr=out, new_table_ptr="int32")
 
 
 def scale_arg(kind, heads):
@@ -82,9 +99,9 @@ def test_write_kernel_compiles_for_sm90(case, exact):
                        fp8_format=case.fp8_format)
     plan = plan_write(args, CUDA, exact)
     scale_dtype = "float32" if isinstance(ks, ArrayInfo) else case.slots
-    inputs = [case.dtype, case.dtype, case.cache_dtype, case.cache_dtype, case.slots, scale_dtype,
-              scale_dtype]
-    found = ptx_ops(compile_for_hopper(ops._write_kv_kernel, inputs, [case.cache_dtype] * 2, plan))
+    found = ptx_ops(compile_for_hopper(
+        ops._write_kv_kernel, write_arrays(case.dtype, case.cache_dtype, case.slots, scale_dtype),
+        plan))
     assert "ftz" not in " ".join(found)
     if not exact:  # the fast path relies on the saturating conversion (no clamp of its own)
         assert any(op.startswith("cvt.rn.satfinite") for op in found)
@@ -100,10 +117,10 @@ def test_write_combined_kernel_compiles_for_sm90():
     kv = ArrayInfo.contiguous((10, 2, 16, 8, 128), "float8_e4m3fn", "cuda:0")
     slots = ArrayInfo.contiguous((64,), "int64", "cuda:0")
     args = check_write(x, x, None, None, slots, 0.5, 0.5, layout="NHD", fp8_format=None, kv_cache=kv)
-    plan = plan_write(args, CUDA, None, True)
-    compile_for_hopper(ops._write_kv_combined_kernel,
-                       ["bfloat16", "bfloat16", "float8_e4m3fn", "int64", "int64", "int64"],
-                       ["float8_e4m3fn"], plan)
+    plan = plan_write(args, CUDA)
+    assert plan.constexprs["SHARED_OUT"] and plan.scalars["value_cache_offset"] == 16 * 8 * 128
+    compile_for_hopper(ops._write_kv_kernel,
+                       write_arrays("bfloat16", "float8_e4m3fn", "int64", "int64"), plan)
 
 
 @pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
@@ -118,10 +135,9 @@ def test_dequantize_kernel_compiles_for_sm90(case, exact, combined):
     out = ArrayInfo.contiguous(dequantized_shape(args, combined), case.out, "cuda:0")
     plan = plan_dequantize(args, out, None if combined else out, CUDA, exact)
     scale_dtype = "float32" if isinstance(ks, ArrayInfo) else "int32"
-    inputs = [case.cache_dtype, case.cache_dtype, "int32", scale_dtype, scale_dtype]
-    outputs = [case.out, "int32"] if combined else [case.out, case.out, "int32"]
-    kernel = ops._dequantize_pages_combined_kernel if combined else ops._dequantize_pages_kernel
-    found = ptx_ops(compile_for_hopper(kernel, inputs, outputs, plan))
+    found = ptx_ops(compile_for_hopper(
+        ops._dequantize_pages_kernel,
+        dequant_arrays(case.cache_dtype, "int32", scale_dtype, case.out), plan))
     assert "ftz" not in " ".join(found)
 
 
@@ -139,8 +155,8 @@ def test_default_shapes_get_16_byte_accesses(int_divisibility):
     plan = plan_write(check_write(x, x, cache, cache, slots, scale, scale, layout="NHD",
                                   fp8_format=None), CUDA)
     found = ptx_ops(compile_for_hopper(
-        ops._write_kv_kernel, ["bfloat16", "bfloat16", "float8_e4m3fn", "float8_e4m3fn", "int32",
-                               "float32", "float32"], ["float8_e4m3fn"] * 2, plan, int_divisibility))
+        ops._write_kv_kernel, write_arrays("bfloat16", "float8_e4m3fn", "int32", "float32"), plan,
+        int_divisibility))
     assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, found
 
     table = ArrayInfo.contiguous((16, 512), "int32", "cuda:0")
@@ -149,7 +165,6 @@ def test_default_shapes_get_16_byte_accesses(int_divisibility):
     out = ArrayInfo.contiguous(dequantized_shape(args, False), "bfloat16", "cuda:0")
     plan = plan_dequantize(args, out, out, CUDA)
     found = ptx_ops(compile_for_hopper(
-        ops._dequantize_pages_kernel, ["float8_e4m3fn", "float8_e4m3fn", "int32", "float32",
-                                       "float32"], ["bfloat16", "bfloat16", "int32"], plan,
-        int_divisibility))
+        ops._dequantize_pages_kernel, dequant_arrays("float8_e4m3fn", "int32", "float32", "bfloat16"),
+        plan, int_divisibility))
     assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, found

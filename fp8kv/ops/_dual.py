@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import types
 
+import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -36,10 +37,14 @@ def interpreted(jit_fn: JITFunction) -> InterpretedFunction:
         clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
         twin = InterpretedFunction(clone)
         _INTERPRETED[id(jit_fn)] = twin
-        # Rebind helpers after registering, so mutually-referencing helpers terminate.
+        # Rebind helpers after registering, so mutually-referencing helpers terminate. Constexpr
+        # globals become their plain values: the interpreter runs the body as Python, where
+        # `1 << MAN_BITS` needs an int (tl.constexpr has no reflected shift or bitwise operators).
         for name, value in list(scope.items()):
             if isinstance(value, JITFunction):
                 scope[name] = interpreted(value)
+            elif isinstance(value, tl.constexpr):
+                scope[name] = value.value
     return twin
 
 

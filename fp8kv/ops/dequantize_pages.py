@@ -5,16 +5,19 @@ that neighbouring programs stream neighbouring bytes. Program ``i * CHUNKS + c``
 of page ``block_table.flat[i]`` from the K and V caches and writes it to output page ``i``; entries
 that are padding (< 0, == null_page, or past the cache) get zeros, so every output element is
 written. The chunk-0 program of entry ``i`` also writes ``new_block_table.flat[i] = i``. The numpy
-twin is :func:`fp8kv.reference.dequantize_pages`; :mod:`fp8kv.plan` picks the constexprs.
+twin is :func:`fp8kv.reference.dequantize_pages`; :func:`fp8kv.plan.plan_dequantize` names every
+argument.
 
-Parameter order follows jax-triton (arrays, scalars, outputs) as in ``write_kv``. A combined
-``[num_pages, 2, ...]`` input is passed as both cache operands plus ``value_in_offset``; a combined
-output needs its own wrapper (one output operand), ``_dequantize_pages_combined_kernel``.
+Parameters follow jax-triton's order (input arrays, scalars, outputs, constexprs), bound by name
+as in ``write_kv``. A combined ``[num_pages, 2, ...]`` cache is passed as both cache operands with
+V ``value_cache_offset`` elements in; a combined output holds V ``value_out_offset`` elements after
+K and, with ``SHARED_OUT``, is written through the K output pointer alone (jax-triton gives each
+buffer one output).
 """
 import triton.language as tl
 
 from ._dual import jit
-from .fp8_math import SCALE_NONE, fp8_code_to_fp32, fp32_to_output_bits, load_scale
+from .fp8_math import OUT_FLOAT32, SCALE_NONE, fp8_code_to_fp32, fp32_to_output_bits, load_scale
 
 
 @jit
@@ -35,11 +38,12 @@ def _page_offsets(j, stride_slot, stride_head, NUM_HEADS: tl.constexpr, HEAD_DIM
     return off
 
 
-@jit
-def _dequantize_body(
+@jit(do_not_specialize=["pages_per_seq"])
+def _dequantize_pages_kernel(
     key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
-    num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
+    pages_per_seq, stride_table_seq, stride_table_page, num_pages, null_page,
     stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
+    value_cache_offset,
     stride_ko_page, stride_ko_slot, stride_ko_head, stride_vo_page, stride_vo_slot, stride_vo_head,
     value_out_offset, key_scale_value, value_scale_value,
     key_out_ptr, value_out_ptr, new_table_ptr,
@@ -47,14 +51,15 @@ def _dequantize_body(
     BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
     IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr,
-    OUT_ALIGN: tl.constexpr,
+    OUT_ALIGN: tl.constexpr, SHARED_OUT: tl.constexpr,
 ):
     CHUNKS: tl.constexpr = (PAGE_SIZE * NUM_HEADS * HEAD_DIM + BLOCK - 1) // BLOCK
     pid = tl.program_id(0)
     entry = (pid // CHUNKS).to(tl.int64)
     chunk = pid % CHUNKS
     b = entry // pages_per_seq
-    page = tl.load(table_ptr + b * stride_bt_b + (entry - b * pages_per_seq) * stride_bt_p).to(tl.int64)
+    page = tl.load(table_ptr + b * stride_table_seq
+                   + (entry - b * pages_per_seq) * stride_table_page).to(tl.int64)
     valid = (page >= 0) & (page < num_pages)
     if HAS_NULL_PAGE:
         valid = valid & (page != null_page)
@@ -66,7 +71,7 @@ def _dequantize_body(
     load_mask = in_page & valid
     # Alignment promises from the plan (see write_kv): keep 16-byte accesses under jax-triton.
     kc_base = tl.multiple_of(page * stride_kc_page, IN_ALIGN)
-    vc_base = tl.multiple_of(page * stride_vc_page + value_in_offset, IN_ALIGN)
+    vc_base = tl.multiple_of(page * stride_vc_page + value_cache_offset, IN_ALIGN)
     kc_off = kc_base + _page_offsets(j, stride_kc_slot, stride_kc_head, NUM_HEADS, HEAD_DIM,
                                      PAGE_SIZE, HND, IN_PACKED)
     vc_off = vc_base + _page_offsets(j, stride_vc_slot, stride_vc_head, NUM_HEADS, HEAD_DIM,
@@ -94,61 +99,17 @@ def _dequantize_body(
         j, stride_ko_slot, stride_ko_head, NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, OUT_PACKED)
     vo_off = tl.multiple_of(entry * stride_vo_page + value_out_offset, OUT_ALIGN) + _page_offsets(
         j, stride_vo_slot, stride_vo_head, NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, OUT_PACKED)
-    if OUT_KIND == 2:
+    if OUT_KIND == OUT_FLOAT32:
         bits_ty: tl.constexpr = tl.uint32
     else:
         bits_ty: tl.constexpr = tl.uint16
-    tl.store(key_out_ptr.to(tl.pointer_type(bits_ty)) + ko_off, k_bits.to(bits_ty), mask=in_page)
-    tl.store(value_out_ptr.to(tl.pointer_type(bits_ty)) + vo_off, v_bits.to(bits_ty), mask=in_page)
+    key_dst = key_out_ptr.to(tl.pointer_type(bits_ty))
+    if SHARED_OUT:
+        value_dst = key_dst
+    else:
+        value_dst = value_out_ptr.to(tl.pointer_type(bits_ty))
+    tl.store(key_dst + ko_off, k_bits.to(bits_ty), mask=in_page)
+    tl.store(value_dst + vo_off, v_bits.to(bits_ty), mask=in_page)
     if chunk == 0:
         tl.store(new_table_ptr + entry, entry.to(tl.int32))
 
-
-@jit(do_not_specialize=["num_entries", "pages_per_seq"])
-def _dequantize_pages_kernel(
-    key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
-    num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
-    stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
-    stride_ko_page, stride_ko_slot, stride_ko_head, stride_vo_page, stride_vo_slot, stride_vo_head,
-    key_scale_value, value_scale_value,
-    key_out_ptr, value_out_ptr, new_table_ptr,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HND: tl.constexpr,
-    BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
-    E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
-    IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr,
-    OUT_ALIGN: tl.constexpr,
-):
-    """Separate K and V outputs."""
-    _dequantize_body(
-        key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
-        num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
-        stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
-        stride_ko_page, stride_ko_slot, stride_ko_head, stride_vo_page, stride_vo_slot, stride_vo_head,
-        0, key_scale_value, value_scale_value, key_out_ptr, value_out_ptr, new_table_ptr,
-        NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, BLOCK, K_SCALE_MODE, V_SCALE_MODE, E5M2, OUT_KIND, EXACT,
-        HAS_NULL_PAGE, IN_PACKED, OUT_PACKED, IN_ALIGN, OUT_ALIGN)
-
-
-@jit(do_not_specialize=["num_entries", "pages_per_seq"])
-def _dequantize_pages_combined_kernel(
-    key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
-    num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
-    stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
-    stride_ko_page, stride_ko_slot, stride_ko_head, value_out_offset,
-    key_scale_value, value_scale_value,
-    kv_out_ptr, new_table_ptr,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HND: tl.constexpr,
-    BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
-    E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
-    IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr,
-    OUT_ALIGN: tl.constexpr,
-):
-    """One ``[N, 2, ...]`` output (FlashInfer's TRT-LLM layout): V lives ``value_out_offset`` after K."""
-    _dequantize_body(
-        key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
-        num_entries, pages_per_seq, stride_bt_b, stride_bt_p, num_pages, null_page, value_in_offset,
-        stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
-        stride_ko_page, stride_ko_slot, stride_ko_head, stride_ko_page, stride_ko_slot, stride_ko_head,
-        value_out_offset, key_scale_value, value_scale_value, kv_out_ptr, kv_out_ptr, new_table_ptr,
-        NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, BLOCK, K_SCALE_MODE, V_SCALE_MODE, E5M2, OUT_KIND, EXACT,
-        HAS_NULL_PAGE, IN_PACKED, OUT_PACKED, IN_ALIGN, OUT_ALIGN)

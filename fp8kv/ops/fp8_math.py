@@ -11,13 +11,33 @@ Codes travel as int32 holding 0..255 (fp8) or as the output's unsigned bit patte
 """
 import triton.language as tl
 
-from .. import validate
+from .. import formats
+from ..modes import OutKind, ScaleMode
 from ._dual import jit
 
-SCALE_NONE: tl.constexpr = tl.constexpr(validate.SCALE_NONE)
-SCALE_VALUE: tl.constexpr = tl.constexpr(validate.SCALE_VALUE)
-SCALE_TENSOR: tl.constexpr = tl.constexpr(validate.SCALE_TENSOR)
-SCALE_HEAD: tl.constexpr = tl.constexpr(validate.SCALE_HEAD)
+# Every number below comes from fp8kv.formats / fp8kv.modes: kernels see them as constexpr globals.
+SCALE_NONE: tl.constexpr = tl.constexpr(int(ScaleMode.NONE))
+SCALE_VALUE: tl.constexpr = tl.constexpr(int(ScaleMode.VALUE))
+SCALE_TENSOR: tl.constexpr = tl.constexpr(int(ScaleMode.TENSOR))
+SCALE_HEAD: tl.constexpr = tl.constexpr(int(ScaleMode.HEAD))
+OUT_BFLOAT16: tl.constexpr = tl.constexpr(int(OutKind.BFLOAT16))
+OUT_FLOAT16: tl.constexpr = tl.constexpr(int(OutKind.FLOAT16))
+OUT_FLOAT32: tl.constexpr = tl.constexpr(int(OutKind.FLOAT32))
+NAN_BITS_BF16: tl.constexpr = tl.constexpr(formats.CANONICAL_NAN_BITS["bfloat16"])
+NAN_BITS_FP16: tl.constexpr = tl.constexpr(formats.CANONICAL_NAN_BITS["float16"])
+NAN_BITS_FP32: tl.constexpr = tl.constexpr(formats.CANONICAL_NAN_BITS["float32"])
+E4M3_MAN_BITS: tl.constexpr = tl.constexpr(formats.E4M3.man_bits)
+E4M3_BIAS: tl.constexpr = tl.constexpr(formats.E4M3.bias)
+E4M3_MAX_CODE: tl.constexpr = tl.constexpr(formats.E4M3.max_code)
+E4M3_NAN_MAGNITUDE: tl.constexpr = tl.constexpr(formats.E4M3.inf_magnitude)  # e4m3fn: 0x7F is NaN
+E4M3_SUBNORMAL_UNIT: tl.constexpr = tl.constexpr(formats.E4M3.subnormal_unit)
+E5M2_MAN_BITS: tl.constexpr = tl.constexpr(formats.E5M2.man_bits)
+E5M2_BIAS: tl.constexpr = tl.constexpr(formats.E5M2.bias)
+E5M2_MAX_CODE: tl.constexpr = tl.constexpr(formats.E5M2.max_code)
+E5M2_INF_MAGNITUDE: tl.constexpr = tl.constexpr(formats.E5M2.inf_magnitude)
+E5M2_SUBNORMAL_UNIT: tl.constexpr = tl.constexpr(formats.E5M2.subnormal_unit)
+E4M3_NAN_CODE: tl.constexpr = tl.constexpr(formats.E4M3.nan_code)
+E5M2_NAN_CODE: tl.constexpr = tl.constexpr(formats.E5M2.nan_code)
 _INF: tl.constexpr = tl.constexpr(float("inf"))
 # No NaN constexpr: Triton re-checks a kernel's globals on every launch with `!=`, and NaN != NaN.
 
@@ -78,13 +98,15 @@ def load_as_fp32(ptr, offsets, mask, EXACT: tl.constexpr):
 def fp32_to_fp8_code(y, E5M2: tl.constexpr, EXACT: tl.constexpr):
     """fp8 byte (int32 0..255) of fp32 ``y``: RNE, saturating, NaN -> 0x7F."""
     if E5M2:
-        MAN_BITS: tl.constexpr = 2
-        BIAS: tl.constexpr = 15
-        MAX_CODE: tl.constexpr = 0x7B
+        MAN_BITS: tl.constexpr = E5M2_MAN_BITS
+        BIAS: tl.constexpr = E5M2_BIAS
+        MAX_CODE: tl.constexpr = E5M2_MAX_CODE
+        NAN_CODE: tl.constexpr = E5M2_NAN_CODE
     else:
-        MAN_BITS: tl.constexpr = 3
-        BIAS: tl.constexpr = 7
-        MAX_CODE: tl.constexpr = 0x7E
+        MAN_BITS: tl.constexpr = E4M3_MAN_BITS
+        BIAS: tl.constexpr = E4M3_BIAS
+        MAX_CODE: tl.constexpr = E4M3_MAX_CODE
+        NAN_CODE: tl.constexpr = E4M3_NAN_CODE
     if EXACT:
         u = y.to(tl.int32, bitcast=True)
         a = u & 0x7FFFFFFF
@@ -105,7 +127,7 @@ def fp32_to_fp8_code(y, E5M2: tl.constexpr, EXACT: tl.constexpr):
         sub = quot + round_up.to(tl.int32)
         code = tl.where(a >= ((128 - BIAS) << 23), normal, sub)
         code = tl.minimum(code, MAX_CODE)  # saturate (covers inf)
-        code = tl.where(a > 0x7F800000, 0x7F, code | sign)
+        code = tl.where(a > 0x7F800000, NAN_CODE, code | sign)
     else:
         # Triton lowers both casts to cvt.rn.satfinite (sm_90): it saturates (inf included) and
         # gives 0x7F for NaN, which is what the spec pins -- no clamp needed. The GPU suite checks
@@ -121,13 +143,13 @@ def fp32_to_fp8_code(y, E5M2: tl.constexpr, EXACT: tl.constexpr):
 def fp8_code_to_fp32(code, E5M2: tl.constexpr, EXACT: tl.constexpr):
     """fp32 value of an fp8 byte (int32 0..255); NaN codes give a NaN, e5m2 inf gives inf."""
     if E5M2:
-        MAN_BITS: tl.constexpr = 2
-        BIAS: tl.constexpr = 15
-        SUBNORMAL_UNIT: tl.constexpr = 2.0 ** -16
+        MAN_BITS: tl.constexpr = E5M2_MAN_BITS
+        BIAS: tl.constexpr = E5M2_BIAS
+        SUBNORMAL_UNIT: tl.constexpr = E5M2_SUBNORMAL_UNIT
     else:
-        MAN_BITS: tl.constexpr = 3
-        BIAS: tl.constexpr = 7
-        SUBNORMAL_UNIT: tl.constexpr = 2.0 ** -9
+        MAN_BITS: tl.constexpr = E4M3_MAN_BITS
+        BIAS: tl.constexpr = E4M3_BIAS
+        SUBNORMAL_UNIT: tl.constexpr = E4M3_SUBNORMAL_UNIT
     if EXACT:
         mag = code & 0x7F
         exp = mag >> MAN_BITS
@@ -136,10 +158,10 @@ def fp8_code_to_fp32(code, E5M2: tl.constexpr, EXACT: tl.constexpr):
         value = tl.where(exp == 0, man.to(tl.float32) * SUBNORMAL_UNIT, normal)
         quiet_nan = (mag | 0x7FC00000).to(tl.float32, bitcast=True)
         if E5M2:
-            value = tl.where(mag == 0x7C, _INF, value)
-            value = tl.where(mag > 0x7C, quiet_nan, value)
+            value = tl.where(mag == E5M2_INF_MAGNITUDE, _INF, value)
+            value = tl.where(mag > E5M2_INF_MAGNITUDE, quiet_nan, value)
         else:
-            value = tl.where(mag == 0x7F, quiet_nan, value)
+            value = tl.where(mag == E4M3_NAN_MAGNITUDE, quiet_nan, value)
         # Set the sign with bits: Triton lowers -x as 0 - x, which loses -0.
         sign = (code & 0x80) << 24
         value = (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
@@ -155,20 +177,20 @@ def fp8_code_to_fp32(code, E5M2: tl.constexpr, EXACT: tl.constexpr):
 def fp32_to_output_bits(v, OUT_KIND: tl.constexpr, EXACT: tl.constexpr):
     """Bits of ``v`` rounded (RNE) to the output dtype; NaN -> the canonical NaN.
 
-    OUT_KIND: 0 = bfloat16, 1 = float16 (int32 holding 16 bits), 2 = float32 (int32 bits).
+    OUT_KIND: a :class:`fp8kv.modes.OutKind` (bf16 / fp16 bits in an int32, or fp32 bits).
     """
     is_nan = v != v
-    if OUT_KIND == 0:
+    if OUT_KIND == OUT_BFLOAT16:
         if EXACT:
             u = v.to(tl.int32, bitcast=True)
             a = u & 0x7FFFFFFF
             bits = ((a + 0x7FFF + ((a >> 16) & 1)) >> 16) | ((u >> 16) & 0x8000)
         else:
             bits = v.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
-        bits = tl.where(is_nan, 0x7FC0, bits)
-    elif OUT_KIND == 1:
+        bits = tl.where(is_nan, NAN_BITS_BF16, bits)
+    elif OUT_KIND == OUT_FLOAT16:
         bits = v.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
-        bits = tl.where(is_nan, 0x7E00, bits)
+        bits = tl.where(is_nan, NAN_BITS_FP16, bits)
     else:
-        bits = tl.where(is_nan, 0x7FC00000, v.to(tl.int32, bitcast=True))
+        bits = tl.where(is_nan, NAN_BITS_FP32, v.to(tl.int32, bitcast=True))
     return bits

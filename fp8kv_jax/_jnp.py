@@ -1,4 +1,4 @@
-"""The portable path (CPU, TPU, ...): :mod:`fp8kv.reference` written in jnp, byte for byte.
+"""The pure-jnp path (CPU, TPU, ...): :mod:`fp8kv.reference` written in jnp, byte for byte.
 
 Each op is one jitted function, static in the validated arguments: an eager call compiles once per
 shape, and under the caller's ``jax.jit`` it inlines, so that a donated cache is updated in place
@@ -13,18 +13,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8kv.formats import CANONICAL_NAN_BITS
-from fp8kv.validate import SCALE_HEAD, SCALE_NONE, SCALE_VALUE
+from fp8kv.modes import ScaleMode
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 def _scale(array, mode: int, value: float, trailing: int):
     """The scale, shaped to broadcast against ``[..., num_kv_heads, *trailing dims]`` (or None)."""
-    if mode == SCALE_NONE:
+    if mode == ScaleMode.NONE:
         return None
-    if mode == SCALE_VALUE:
+    if mode == ScaleMode.VALUE:
         return jnp.float32(value)
-    if mode == SCALE_HEAD:
+    if mode == ScaleMode.HEAD:
         return array.reshape((-1,) + (1,) * trailing)
     return array.reshape(())
 
@@ -79,14 +79,15 @@ def _scatter(cache, index, codes):
     return lax.bitcast_convert_type(raw.at[index].set(codes, mode="drop"), cache.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("args", "layout", "combined"))
-def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, *, args, layout,
-             combined):
-    """``(key_cache, value_cache)``, or the combined ``kv_cache`` (``value_cache`` is None)."""
+@functools.partial(jax.jit, static_argnames=("args",))
+def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, *, args):
+    """``(key_cache, value_cache)``, or the combined ``kv_cache`` when ``args.combined``
+    (``value_cache`` is then None)."""
+    combined = args.combined
     qk = _quantize(key, _scale(key_scale, args.key_scale_mode, args.key_scale_value, 1), args.fmt)
     qv = _quantize(value, _scale(value_scale, args.value_scale_mode, args.value_scale_value, 1),
                    args.fmt)
-    index = _slot_index(slots, args.key_cache, layout, key_cache.ndim - combined, combined)
+    index = _slot_index(slots, args.key_cache, args.layout, key_cache.ndim - combined, combined)
     if combined:
         return _scatter(key_cache, index, jnp.stack([qk, qv], axis=1))
     return _scatter(key_cache, index, qk), _scatter(value_cache, index, qv)

@@ -1,0 +1,92 @@
+"""Cache geometry: how an array of a given shape and layout is seen as pages of token rows.
+
+Everything here is arithmetic on shapes and strides (in elements); the checks that raise for a
+bad argument are :mod:`fp8kv.validate`'s. A combined ``[num_pages, 2, ...]`` cache is two halves
+of one array: K at element offset 0, V at ``strides[1]``. Both frontends pass such an array as the
+K and the V operand and let the offset find V, so a combined cache needs no kernel of its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .arrays import ArrayInfo
+
+LAYOUTS = ("NHD", "HND")
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    """A K or V cache seen as ``[num_pages, page_size, num_heads, head_dim]`` + strides.
+
+    ``offset``: elements from the operand's first element to this cache's (V of a combined cache).
+    """
+
+    num_pages: int
+    page_size: int
+    num_heads: int
+    head_dim: int
+    stride_page: int
+    stride_slot: int
+    stride_head: int
+    offset: int = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def packed_rows(self) -> bool:
+        """A token's ``num_heads * head_dim`` row is contiguous."""
+        return self.stride_head == self.head_dim or self.num_heads == 1
+
+    def packed_pages(self, layout: str) -> bool:
+        """A page's ``page_size * num_heads * head_dim`` elements are contiguous, in layout order."""
+        return page_is_packed(layout, self.page_size, self.num_heads, self.head_dim,
+                              self.stride_slot, self.stride_head)
+
+
+def page_is_packed(layout, page_size, num_heads, head_dim, stride_slot, stride_head) -> bool:
+    rows_packed = stride_head == head_dim or num_heads == 1
+    if page_size == 1:
+        return rows_packed
+    if layout == "NHD":
+        return rows_packed and stride_slot == num_heads * head_dim
+    return stride_slot == head_dim and (num_heads == 1 or stride_head == page_size * head_dim)
+
+
+def expected_cache_shape(layout: str, rank: int) -> str:
+    """The shape a cache of ``rank`` 3 or 4 must have, in words (for error messages)."""
+    if rank == 3:
+        return "[num_slots, num_kv_heads, head_dim]"
+    middle = "page_size, num_kv_heads" if layout == "NHD" else "num_kv_heads, page_size"
+    return f"[num_pages, {middle}, head_dim]"
+
+
+def paged(cache: ArrayInfo, layout: str, offset: int = 0) -> PagedCache:
+    """A rank-3 or rank-4 cache (already checked) as pages."""
+    if cache.ndim == 3:  # [num_slots, H, D]: page_size 1, either layout
+        n, h, d = cache.shape
+        return PagedCache(n, 1, h, d, cache.strides[0], 0, cache.strides[1], offset)
+    if layout == "NHD":
+        p, s, h, d = cache.shape
+        return PagedCache(p, s, h, d, cache.strides[0], cache.strides[1], cache.strides[2], offset)
+    p, h, s, d = cache.shape
+    return PagedCache(p, s, h, d, cache.strides[0], cache.strides[2], cache.strides[1], offset)
+
+
+def combined_halves(kv_cache: ArrayInfo, layout: str) -> tuple[PagedCache, PagedCache]:
+    """K and V of a combined ``[num_pages, 2, ...]`` cache: one array, V ``strides[1]`` after K."""
+    half = kv_cache.drop_dim(1)
+    return paged(half, layout), paged(half, layout, offset=kv_cache.strides[1])
+
+
+def pages_shape(cache: PagedCache, layout: str, rank: int, num_entries: int,
+                combined: bool = False) -> tuple[int, ...]:
+    """Shape of ``num_entries`` pages of ``cache`` in its layout (``[N, 2, ...]`` if combined)."""
+    if rank == 3:
+        page = (cache.num_heads, cache.head_dim)
+    elif layout == "NHD":
+        page = (cache.page_size, cache.num_heads, cache.head_dim)
+    else:
+        page = (cache.num_heads, cache.page_size, cache.head_dim)
+    return (num_entries, 2) + page if combined else (num_entries,) + page

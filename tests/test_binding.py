@@ -1,0 +1,110 @@
+"""Kernel arguments are bound by name: every plan names exactly the kernel's parameters.
+
+A parameter added to a kernel without its plan entry (or dropped from one) must fail here, on any
+machine, rather than shift the positional arguments of a launch.
+"""
+from __future__ import annotations
+
+import pytest
+import triton.language as tl
+
+from cases import DEQUANT_CASES, WRITE_CASES
+from fp8kv import ops
+from fp8kv.arrays import ArrayInfo
+from fp8kv.binding import BoundCall, bind, check_names, signature
+from fp8kv.ops._dual import jit
+from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
+from fp8kv.validate import check_dequantize, check_write, dequantized_shape
+
+WRITE_ARRAYS = ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr", "slot_ptr",
+                "key_scale_ptr", "value_scale_ptr", "key_cache_out_ptr", "value_cache_out_ptr")
+DEQUANT_ARRAYS = ("key_cache_ptr", "value_cache_ptr", "table_ptr", "key_scale_ptr",
+                  "value_scale_ptr", "key_out_ptr", "value_out_ptr", "new_table_ptr")
+
+
+def _write_plan(case, backend, combined=False):
+    x = ArrayInfo.contiguous((case.tokens, case.heads, case.head_dim), case.dtype, "cuda:0")
+    shape = case.cache_shape
+    slots = ArrayInfo.contiguous((case.tokens,), case.slots, "cuda:0")
+    if combined:
+        kv = ArrayInfo.contiguous((shape[0], 2) + tuple(shape[1:]), case.cache_dtype, "cuda:0")
+        args = check_write(x, x, None, None, slots, 0.5, 2.0, layout=case.api_layout,
+                           fp8_format=case.fp8_format, kv_cache=kv)
+    else:
+        cache = ArrayInfo.contiguous(shape, case.cache_dtype, "cuda:0")
+        args = check_write(x, x, cache, cache, slots, 0.5, 2.0, layout=case.api_layout,
+                           fp8_format=case.fp8_format)
+    return plan_write(args, backend)
+
+
+def _dequant_plan(case, backend, combined=False):
+    cache = ArrayInfo.contiguous(case.cache_shape, case.cache_dtype, "cuda:0")
+    table = ArrayInfo.contiguous((case.batch, case.pages_per_seq), "int32", "cuda:0")
+    args = check_dequantize(cache, cache, table, None, 0.5, dtype=case.out, layout=case.api_layout,
+                            fp8_format=case.fp8_format, null_page=case.null_page)
+    out = ArrayInfo.contiguous(dequantized_shape(args, combined), case.out, "cuda:0")
+    return plan_dequantize(args, out, None if combined else out, backend)
+
+
+@pytest.mark.parametrize("backend", [CUDA, INTERPRET])
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+def test_every_write_plan_names_the_kernel_parameters(backend, combined):
+    for case in WRITE_CASES:
+        plan = _write_plan(case, backend, combined)
+        check_names(ops._write_kv_kernel, plan.scalars, plan.constexprs, dict.fromkeys(WRITE_ARRAYS))
+        assert plan.constexprs["SHARED_OUT"] == combined
+
+
+@pytest.mark.parametrize("backend", [CUDA, INTERPRET])
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+def test_every_dequantize_plan_names_the_kernel_parameters(backend, combined):
+    for case in DEQUANT_CASES:
+        plan = _dequant_plan(case, backend, combined)
+        check_names(ops._dequantize_pages_kernel, plan.scalars, plan.constexprs,
+                    dict.fromkeys(DEQUANT_ARRAYS))
+        assert plan.constexprs["SHARED_OUT"] == combined
+
+
+def test_bind_orders_by_the_kernel_signature():
+    plan = _write_plan(WRITE_CASES[0], CUDA)
+    arrays = {name: name for name in reversed(WRITE_ARRAYS)}
+    call = bind(ops._write_kv_kernel, plan, arrays)
+    assert isinstance(call, BoundCall)
+    sig = signature(ops._write_kv_kernel)
+    assert call.inputs == sig.inputs and call.outputs == sig.outputs
+    assert call.inputs[-1] == "value_scale_ptr" and call.outputs == ("key_cache_out_ptr",
+                                                                     "value_cache_out_ptr")
+    assert call.scalars == tuple(plan.scalars[n] for n in sig.scalars)
+    assert list(call.constexprs) == list(sig.constexprs)
+
+
+def test_a_plan_that_drifts_from_the_kernel_fails_by_name():
+    plan = _write_plan(WRITE_CASES[0], CUDA)
+    arrays = dict.fromkeys(WRITE_ARRAYS)
+    renamed = dict(plan.scalars)
+    renamed["stride_k_token"] = renamed.pop("stride_key_token")
+    with pytest.raises(TypeError, match=r"no scalar for \['stride_key_token'\].*"
+                                        r"scalars \['stride_k_token'\] are not parameters"):
+        bind(ops._write_kv_kernel, LaunchPlan(plan.grid, plan.num_warps, renamed, plan.constexprs),
+             arrays)
+    extra = {**plan.constexprs, "UNUSED": 1}
+    with pytest.raises(TypeError, match=r"constexprs \['UNUSED'\] are not parameters"):
+        bind(ops._write_kv_kernel, LaunchPlan(plan.grid, plan.num_warps, plan.scalars, extra),
+             arrays)
+    with pytest.raises(TypeError, match=r"no array for \['slot_ptr'\]"):
+        bind(ops._write_kv_kernel, plan, {n: None for n in WRITE_ARRAYS if n != "slot_ptr"})
+
+
+def test_kernel_parameters_must_come_in_jax_triton_order():
+    @jit
+    def _scalar_after_output(x_ptr, n, y_ptr, m, BLOCK: tl.constexpr):
+        pass
+
+    @jit
+    def _constexpr_before_output(x_ptr, n, BLOCK: tl.constexpr, y_ptr):
+        pass
+
+    with pytest.raises(TypeError, match=r"'m' \(scalar\) comes after the outputs"):
+        signature(_scalar_after_output)
+    with pytest.raises(TypeError, match=r"'y_ptr' \(output\) comes after the constexprs"):
+        signature(_constexpr_before_output)
