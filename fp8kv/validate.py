@@ -72,7 +72,18 @@ def check_cache(cache: ArrayInfo, layout: str, name: str, combined: bool = False
     return combined_halves(cache, layout) if combined else paged(cache, layout)
 
 
-def check_cache_pair(key_cache: ArrayInfo, value_cache: ArrayInfo, layout: str):
+def _named_caches(key_cache, value_cache, kv_cache) -> dict:
+    if kv_cache is not None:
+        return {"kv_cache": kv_cache}
+    return {"key_cache": key_cache, "value_cache": value_cache}
+
+
+def check_caches(key_cache, value_cache, kv_cache, layout: str, fp8_format):
+    """K and V as pages, their format and rank: from ``kv_cache`` if given (combined), else from
+    the pair."""
+    if kv_cache is not None:
+        kc, vc = check_cache(kv_cache, layout, "kv_cache", combined=True)
+        return kc, vc, check_format(kv_cache, fp8_format, "kv_cache"), kv_cache.ndim - 1
     k = check_cache(key_cache, layout, "key_cache")
     v = check_cache(value_cache, layout, "value_cache")
     if value_cache.shape != key_cache.shape:
@@ -81,7 +92,7 @@ def check_cache_pair(key_cache: ArrayInfo, value_cache: ArrayInfo, layout: str):
     if value_cache.dtype != key_cache.dtype:
         raise TypeError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got "
                         f"{value_cache.dtype}")
-    return k, v
+    return k, v, check_format(key_cache, fp8_format, "key_cache"), key_cache.ndim
 
 
 def check_scale(scale, name: str, num_heads: int, device: str):
@@ -129,9 +140,8 @@ def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scal
                 fp8_format, kv_cache=None) -> WriteArgs:
     """Validate ``write_kv`` (or, with ``kv_cache``, ``write_kv_combined``) arguments."""
     layout = check_layout(layout)
-    caches = {"kv_cache": kv_cache} if kv_cache is not None else {"key_cache": key_cache,
-                                                                  "value_cache": value_cache}
-    device = check_same_device({"key": key, "value": value, **caches, "slots": slots})
+    device = check_same_device({"key": key, "value": value, **_named_caches(key_cache, value_cache,
+                                                                             kv_cache), "slots": slots})
     for name, x in (("key", key), ("value", value)):
         check_dtype(x, name, INPUT_DTYPES)
         if x.ndim != 3:
@@ -143,12 +153,7 @@ def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scal
                          f"{fmt_shape(value.shape)}")
     if value.dtype != key.dtype:
         raise TypeError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
-    if kv_cache is not None:
-        kc, vc = check_cache(kv_cache, layout, "kv_cache", combined=True)
-        fmt = check_format(kv_cache, fp8_format, "kv_cache")
-    else:
-        kc, vc = check_cache_pair(key_cache, value_cache, layout)
-        fmt = check_format(key_cache, fp8_format, "key_cache")
+    kc, vc, fmt, _ = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format)
     cache_name = "kv_cache" if kv_cache is not None else "key_cache"
     num_tokens, num_heads, head_dim = key.shape
     if (kc.num_heads, kc.head_dim) != (num_heads, head_dim):
@@ -185,17 +190,9 @@ class DequantArgs:
 def check_dequantize(key_cache, value_cache, block_table, key_scale, value_scale, *, dtype, layout,
                      fp8_format, null_page, kv_cache=None) -> DequantArgs:
     layout = check_layout(layout)
-    caches = {"kv_cache": kv_cache} if kv_cache is not None else {"key_cache": key_cache,
-                                                                  "value_cache": value_cache}
-    device = check_same_device({**caches, "block_table": block_table})
-    if kv_cache is not None:
-        kc, vc = check_cache(kv_cache, layout, "kv_cache", combined=True)
-        fmt = check_format(kv_cache, fp8_format, "kv_cache")
-        rank = kv_cache.ndim - 1
-    else:
-        kc, vc = check_cache_pair(key_cache, value_cache, layout)
-        fmt = check_format(key_cache, fp8_format, "key_cache")
-        rank = key_cache.ndim
+    device = check_same_device({**_named_caches(key_cache, value_cache, kv_cache),
+                                "block_table": block_table})
+    kc, vc, fmt, rank = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format)
     if dtype not in OUTPUT_DTYPES:
         raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
     check_dtype(block_table, "block_table", ("int32", "int64"))
