@@ -60,7 +60,7 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
     ----
     ``key_cache`` and ``value_cache`` are modified in place; bytes that no written slot names are
     never touched. Rounding is IEEE fp32 division, then round-to-nearest-even with saturation
-    (NaN -> 0x7F), identical on every backend (see SPEC.md).
+    (NaN -> 0x7F), identical on every backend (see docs/SPEC.md).
 
     Examples
     --------
