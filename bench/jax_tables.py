@@ -56,7 +56,7 @@ def xla_write(key, value, key_cache, value_cache, slots, key_scale, value_scale)
     page, offset = slots // page_size, slots % page_size
 
     def quantize(x, scale):
-        # Clip first: jnp's cast gives NaN above 464 (SPEC.md).
+        # Clip first: jnp's cast gives NaN above 464 (docs/SPEC.md).
         return jnp.clip(x.astype(jnp.float32) / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn)
 
     return (key_cache.at[page, offset].set(quantize(key, key_scale)),

@@ -63,7 +63,7 @@ def unfused_write(key, value, key_cache, value_cache, slots, scale) -> None:
     """
     heads, head_dim = key.shape[1:]
     for x, cache in ((key, key_cache), (value, value_cache)):
-        # Upcast first: bf16 / fp32-scalar-tensor would divide in bf16 (type promotion, SPEC.md);
+        # Upcast first: bf16 / fp32-scalar-tensor would divide in bf16 (type promotion, docs/SPEC.md);
         # clamp first: torch's cast gives NaN from 480.
         q = (x.float() / scale).clamp(-E4M3.max_value, E4M3.max_value).to(torch.float8_e4m3fn)
         # Scatter through uint8 views: same bytes and the same kernel, without relying on

@@ -1,4 +1,4 @@
-"""NumPy reference: SPEC.md as code, the golden of every test.
+"""NumPy reference: docs/SPEC.md as code, the golden of every test.
 
 Everything here is plain NumPy + ml_dtypes, written for clarity, not speed. Arrays are NumPy arrays
 (bf16 / fp8 as ``ml_dtypes`` dtypes); caches may be typed fp8 or raw ``uint8``.

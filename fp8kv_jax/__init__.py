@@ -1,7 +1,7 @@
 """JAX frontend of fp8kv: exact FP8 paged KV-cache write and page dequantization.
 
 Arrays on an NVIDIA GPU run the core's compiled Triton kernels through jax-triton (imported on
-first use); everywhere else (CPU, TPU) a pure-jnp path gives the very same bytes (SPEC.md). Under a
+first use); everywhere else (CPU, TPU) a pure-jnp path gives the very same bytes (docs/SPEC.md). Under a
 trace (``jax.jit``, ``shard_map``) the path is that of JAX's default device (``jax.default_device``
 selects another).
 
@@ -85,7 +85,7 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
     caches donated (``donate_argnums``) the returned caches reuse their buffers and only the
     written rows are touched, so a step costs the same whatever the cache size; without donation
     XLA copies each cache first. Rounding is IEEE fp32 division, then round-to-nearest-even with
-    saturation (NaN -> 0x7F), identical on every backend (SPEC.md).
+    saturation (NaN -> 0x7F), identical on every backend (docs/SPEC.md).
 
     Examples
     --------

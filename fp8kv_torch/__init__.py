@@ -66,7 +66,7 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     ----
     ``key_cache`` and ``value_cache`` are modified in place; bytes that no written slot names are
     never touched. Rounding is IEEE fp32 division, then round-to-nearest-even with saturation
-    (NaN -> 0x7F), identical on every backend (see SPEC.md).
+    (NaN -> 0x7F), identical on every backend (see docs/SPEC.md).
 
     Examples
     --------

@@ -4,7 +4,7 @@ Each conversion has two implementations selected by the ``EXACT`` constexpr:
 
 * fast  -- the hardware conversions (``cvt.rn.satfinite`` to fp8, ``cvt.rn`` to bf16/fp16);
 * exact -- integer arithmetic on the IEEE bit patterns. Triton's CPU interpreter rounds fp32->fp8
-  and fp32->bf16 wrongly (SPEC.md), so the interpreter runs this path; the GPU suite proves both
+  and fp32->bf16 wrongly (docs/SPEC.md), so the interpreter runs this path; the GPU suite proves both
   paths give the same bytes on every bf16/fp16 pattern.
 
 Codes travel as int32 holding 0..255 (fp8) or as the output's unsigned bit pattern.
