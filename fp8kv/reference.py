@@ -187,8 +187,9 @@ def _side_scales_view(scale_cache: np.ndarray, cache_shape, layout: str, name: s
 def _inline_pad(width: int, head_dim: int, cache_name: str) -> int:
     pad = width - head_dim
     if pad not in INLINE_PADS:
-        raise ValueError(f"{cache_name}: expected a last dimension of head_dim + 4 ({head_dim + 4}) "
-                         f"or head_dim + 16 ({head_dim + 16}) for an inline scale cache, got {width}")
+        raise ValueError(f"{cache_name}: expected a last dimension of head_dim + 4 "
+                         f"({head_dim + 4}) or head_dim + 16 ({head_dim + 16}) for an inline "
+                         f"scale cache, got {width}")
     return pad
 
 

@@ -18,7 +18,7 @@ from fp8kv import reference as ref
 from fp8kv.formats import FORMATS
 from fp8kv.reference import dynamic_scales, np_dtype
 
-E4M3, E5M2 = FORMATS["e4m3"], FORMATS["e5m2"]
+E4M3 = FORMATS["e4m3"]
 FLOOR = np.float32(1e-6)
 
 
@@ -108,7 +108,8 @@ def test_nan_does_not_change_other_groups():
 def test_empty_and_bad_arguments():
     assert dynamic_scales(np.zeros((0, 3, 8), np.float32), "e5m2", "token", "pow2").shape == (0,)
     x = np.ones((1, 1, 4), np.float32)
-    with pytest.raises(ValueError, match="granularity: expected 'token' or 'token_head', got 'head'"):
+    with pytest.raises(ValueError,
+                       match="granularity: expected 'token' or 'token_head', got 'head'"):
         dynamic_scales(x, "e4m3", "head", "exact")
     with pytest.raises(ValueError, match="rounding: expected 'exact' or 'pow2', got 'ceil'"):
         dynamic_scales(x, "e4m3", "token", "ceil")
@@ -276,7 +277,8 @@ def _dyn_cases():
             for rounding in ("exact", "pow2"):
                 out.append(DynCase(
                     tokens=[7, 19, 1, 33][i % 4], heads=heads[i % 3], head_dim=dims[(i // 3) % 6],
-                    page_size=1 if layout == "3D" else [16, 1, 32][(i // 2 + i // 6) % 3], layout=layout,
+                    page_size=1 if layout == "3D" else [16, 1, 32][(i // 2 + i // 6) % 3],
+                    layout=layout,
                     fmt=["e4m3", "e5m2"][(i // 2) % 2], rounding=rounding, place=place,
                     dtype=["bfloat16", "float16", "float32"][i % 3],
                     cache=["typed", "uint8"][(i // 3) % 2]))
@@ -339,9 +341,9 @@ def test_write_places_codes_and_scales(case):
         for t, slot in enumerate(x["slots"]):
             if not 0 <= slot < case.num_slots:
                 continue
-            group = kv[t] if case.place == "token" else None
             for h in range(case.heads):
-                s = naive_scale(group if group is not None else kv[t, h], case.fmt, case.rounding)
+                members = kv[t] if case.place == "token" else kv[t, h]   # the scale's group
+                s = naive_scale(members, case.fmt, case.rounding)
                 row = want_cache[case.index(slot, h)]
                 row[:d] = ref.quantize(kv[t, h], s, f)
                 if case.pad:   # fp32 little-endian scale, then zeros
@@ -452,7 +454,8 @@ def test_mixed_static_and_dynamic():
                                           key_scale_cache=ks)
     assert vs_new is None and (ks == -1).all()
     np.testing.assert_array_equal(vc[:1].reshape(4, 2, 40)[:4], ref.quantize(key[:4], 0.5, E4M3))
-    np.testing.assert_array_equal(ks_new.reshape(-1)[:5], dynamic_scales(key, E4M3, "token", "exact"))
+    np.testing.assert_array_equal(ks_new.reshape(-1)[:5],
+                                  dynamic_scales(key, E4M3, "token", "exact"))
     assert (ks_new.reshape(-1)[5:] == -1).all()
 
 
@@ -488,7 +491,8 @@ def test_bad_arguments_name_themselves():
     table = np.zeros((1, 1), np.int32)
     wide = np.zeros((2, 4, 2, 24), np.uint8)
     with pytest.raises(ValueError, match="head_dim: expected an int with an inline scale cache"):
-        ref.dequantize_pages(wide, wide, table, key_scale_cache="inline", value_scale_cache="inline")
+        ref.dequantize_pages(wide, wide, table, key_scale_cache="inline",
+                             value_scale_cache="inline")
     with pytest.raises(TypeError, match="head_dim: expected None or an int, got float"):
         ref.dequantize_pages(wide, wide, table, key_scale_cache="inline", head_dim=8.0)
     with pytest.raises(ValueError, match=r"head_dim: expected the last dimension of value_cache "
@@ -496,7 +500,7 @@ def test_bad_arguments_name_themselves():
         ref.dequantize_pages(wide, wide, table, key_scale_cache="inline", head_dim=8)
     with pytest.raises(ValueError, match=r"key_cache: expected a last dimension of head_dim \+ 4 "
                                          r"\(14\)"):
-        ref.dequantize_pages(wide, wide, table, key_scale_cache="inline", value_scale_cache="inline",
-                             head_dim=10)
+        ref.dequantize_pages(wide, wide, table, key_scale_cache="inline",
+                             value_scale_cache="inline", head_dim=10)
     with pytest.raises(ValueError, match="value_scale: expected None when value_scale_cache"):
         ref.dequantize_pages(cache, cache, table, None, 2.0, value_scale_cache=side)
