@@ -57,6 +57,86 @@ def dequantize(q: np.ndarray, scale, fmt: Fp8Format, out_dtype: str) -> np.ndarr
     return bits.astype(bits.dtype).view(np_dtype(out_dtype))
 
 
+# ---------------------------------------------------------------------------------------------
+# Dynamic scales: one fp32 scale per written token, or per written token and kv head.
+# ---------------------------------------------------------------------------------------------
+
+GRANULARITIES = ("token", "token_head")
+SCALE_ROUNDINGS = ("exact", "pow2")
+INLINE = "inline"
+# Bytes after each head's data in an inline cache: the fp32 scale alone (+4), or the scale and
+# 12 zero bytes, which keeps every head row a multiple of 16 bytes when head_dim is (+16).
+INLINE_PADS = (4, 16)
+SCALE_FLOOR = np.float32(1e-6)  # the smallest dynamic scale (before pow2 rounding)
+
+
+def _as_format(fmt) -> Fp8Format:
+    if isinstance(fmt, Fp8Format):
+        return fmt
+    if isinstance(fmt, str) and fmt in FORMATS:
+        return FORMATS[fmt]
+    raise ValueError(f"fmt: expected 'e4m3', 'e5m2' or an Fp8Format, got {fmt!r}")
+
+
+def _check_choice(value, name: str, choices) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}: expected {' or '.join(repr(c) for c in choices)}, got {value!r}")
+
+
+def _pow2_ceil(s: np.ndarray) -> np.ndarray:
+    """The smallest power of two ``>= s`` for fp32 ``s > 0`` (exact; ``inf`` stays ``inf``)."""
+    s = np.asarray(s, dtype=np.float32)
+    # frexp splits s = m * 2**e with 0.5 <= m < 1. s is itself a power of two exactly when
+    # m == 0.5 (s = 2**(e-1)); otherwise 2**(e-1) < s < 2**e and the answer is 2**e.
+    m, e = np.frexp(s)
+    k = np.where(m == 0.5, e - 1, e)
+    p = np.ldexp(np.float32(1.0), k).astype(np.float32)
+    return np.where(np.isfinite(s), p, s).astype(np.float32)
+
+
+def dynamic_scales(x, fmt, granularity, rounding) -> np.ndarray:
+    """The dynamic dequant scales of new K or V ``x`` ``[T, H, D]``: fp32 ``[T, H]`` or ``[T]``.
+
+    ``fmt``: an :class:`Fp8Format` or its name (``"e4m3"``, ``"e5m2"``); ``granularity``:
+    ``"token_head"`` (one scale per token and kv head, ``[T, H]``) or ``"token"`` (one per token
+    over all its heads, ``[T]``); ``rounding``: ``"exact"`` or ``"pow2"``. For each group:
+
+    * ``amax = max |float32(x)|``. NaN elements are ignored (an all-NaN group has amax 0); an
+      infinite element makes amax infinite. Subnormal inputs are kept as they are (no flush).
+    * ``s = float32(amax / fmt.max_value)`` (one IEEE fp32 division), then ``s = max(s, 1e-6)``
+      with ``1e-6`` as fp32, so an all-zero group gets ``s = float32(1e-6)``.
+    * ``rounding="pow2"``: ``s`` becomes the smallest power of two ``>= s`` (an e8m0 value;
+      multiplying by it is exact, so dequantization adds no rounding of its own).
+
+    The codes are then ``quantize(x, s)``. An infinite amax gives ``s = inf``: every finite element
+    of the group is written as a zero code (``x / inf = +-0``) and the infinite ones as
+    ``fmt.nan_code`` (``inf / inf`` is NaN); on readback ``0 * inf`` is NaN, so such a group
+    dequantizes to NaN everywhere.
+
+    >>> x = np.array([[[1.0, -896.0], [0.0, 0.0]]], dtype=np.float32)     # T=1, H=2, D=2
+    >>> dynamic_scales(x, "e4m3", "token_head", "exact").tolist()
+    [[2.0, 9.999999974752427e-07]]
+    >>> dynamic_scales(x, "e4m3", "token_head", "pow2").tolist()          # 2**1, 2**-19
+    [[2.0, 1.9073486328125e-06]]
+    >>> dynamic_scales(x, "e4m3", "token", "exact").tolist()
+    [2.0]
+    """
+    fmt = _as_format(fmt)
+    _check_choice(granularity, "granularity", GRANULARITIES)
+    _check_choice(rounding, "rounding", SCALE_ROUNDINGS)
+    x = np.asarray(x)
+    if x.ndim != 3:
+        raise ValueError(f"x: expected rank 3 [num_tokens, num_kv_heads, head_dim], got shape "
+                         f"{list(x.shape)}")
+    a = np.abs(x.astype(np.float32))
+    a = np.where(np.isnan(a), np.float32(0.0), a)   # NaNs count as 0; inf survives the max
+    axes = (2,) if granularity == "token_head" else (1, 2)
+    amax = a.max(axis=axes, initial=np.float32(0.0)).astype(np.float32)
+    s = (amax / np.float32(fmt.max_value)).astype(np.float32)  # fp32 / fp32: IEEE division
+    s = np.maximum(s, SCALE_FLOOR)
+    return _pow2_ceil(s) if rounding == "pow2" else s
+
+
 def _scale_array(scale, num_heads: int) -> np.ndarray:
     """A scale as a ``[H, 1]`` fp32 array (None -> 1, float, ``[]``, ``[1]`` or ``[H]``)."""
     s = np.float32(1.0) if scale is None else np.asarray(scale, dtype=np.float32)
@@ -70,41 +150,196 @@ def _pages_view(cache: np.ndarray, layout: str) -> np.ndarray:
     return cache if layout == "NHD" else cache.transpose(0, 2, 1, 3)
 
 
+def scale_cache_shapes(cache_shape, layout: str) -> dict:
+    """The side scale cache shapes a K/V cache of ``cache_shape`` accepts, by granularity.
+
+    ``[P, S, H, D]`` NHD -> ``[P, S, H]`` / ``[P, S]``; ``[P, H, S, D]`` HND -> ``[P, H, S]`` /
+    ``[P, S]``; ``[num_slots, H, D]`` -> ``[num_slots, H]`` / ``[num_slots]``.
+
+    >>> scale_cache_shapes((9, 4, 16, 128), "HND")
+    {'token_head': (9, 4, 16), 'token': (9, 16)}
+    """
+    shape = tuple(int(n) for n in cache_shape)
+    if len(shape) == 3:
+        return {"token_head": shape[:2], "token": shape[:1]}
+    slot_dim = 1 if layout == "NHD" else 2
+    return {"token_head": shape[:3], "token": (shape[0], shape[slot_dim])}
+
+
+def _side_scales_view(scale_cache: np.ndarray, cache_shape, layout: str, name: str):
+    """``(view, granularity)``: a side scale cache as ``[num_pages, page_size, H or 1]``."""
+    if scale_cache.dtype != np.float32:
+        raise TypeError(f"{name}: expected dtype float32, got {scale_cache.dtype}")
+    shapes = scale_cache_shapes(cache_shape, layout)
+    if scale_cache.shape == shapes["token_head"]:
+        if len(cache_shape) == 3:
+            return scale_cache[:, None], "token_head"
+        view = scale_cache if layout == "NHD" else scale_cache.transpose(0, 2, 1)
+        return view, "token_head"
+    if scale_cache.shape == shapes["token"]:
+        view = scale_cache[:, None, None] if len(cache_shape) == 3 else scale_cache[:, :, None]
+        return view, "token"
+    raise ValueError(f"{name}: expected shape {list(shapes['token_head'])} (per token-head) or "
+                     f"{list(shapes['token'])} (per token) for a {layout} cache of shape "
+                     f"{list(cache_shape)}, got {list(scale_cache.shape)}")
+
+
+def _inline_pad(width: int, head_dim: int, cache_name: str) -> int:
+    pad = width - head_dim
+    if pad not in INLINE_PADS:
+        raise ValueError(f"{cache_name}: expected a last dimension of head_dim + 4 "
+                         f"({head_dim + 4}) or head_dim + 16 ({head_dim + 16}) for an inline "
+                         f"scale cache, got {width}")
+    return pad
+
+
+def _check_scale_cache_arg(scale_cache, name: str) -> None:
+    if isinstance(scale_cache, str):
+        if scale_cache != INLINE:
+            raise ValueError(f"{name}: expected None, 'inline' or a float32 array, got "
+                             f"{scale_cache!r}")
+    elif scale_cache is not None and not isinstance(scale_cache, np.ndarray):
+        raise TypeError(f"{name}: expected None, 'inline' or a float32 array, got "
+                        f"{type(scale_cache).__name__}")
+
+
+def _check_no_static_scale(scale, scale_cache, name: str) -> None:
+    if scale is not None and scale_cache is not None:
+        raise ValueError(f"{name}: expected None when {name}_cache is given (the scales are then "
+                         f"per token), got {type(scale).__name__}")
+
+
 def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_scale=None, *,
-             layout="NHD", fp8_format=None):
-    """Reference ``write_kv``: returns new copies of ``(key_cache, value_cache)``."""
-    out = []
+             layout="NHD", fp8_format=None, key_scale_cache=None, value_scale_cache=None,
+             scale_rounding="exact"):
+    """Reference ``write_kv``: new copies of the caches; nothing is modified in place.
+
+    Static scales (``key_scale`` / ``value_scale``: None, a float, ``[]``, ``[1]`` or ``[H]``)
+    quantize every token with the same scale. Dynamic scales: pass ``key_scale_cache`` (and/or
+    ``value_scale_cache``; K and V are independent) and leave that side's static scale None.
+    Each written token gets :func:`dynamic_scales` (``rounding=scale_rounding``), which is stored
+    at its slot:
+
+    * a float32 side array whose shape gives the granularity (see :func:`scale_cache_shapes`):
+      the cache's shape without ``head_dim`` (per token-head: ``[P, S, H]`` NHD, ``[P, H, S]``
+      HND, ``[num_slots, H]``) or without heads and ``head_dim`` (per token: ``[P, S]``,
+      ``[num_slots]``). Only the written slots change.
+    * ``"inline"`` (per token-head): the cache's last dimension is ``head_dim + 4`` or
+      ``head_dim + 16`` (``head_dim`` from ``key``); each head row holds its ``head_dim`` codes,
+      then the fp32 scale in little-endian byte order, then (``+16``) 12 zero bytes.
+
+    Slots ``< 0`` or past the cache are padding: nothing is written for them, codes or scales.
+
+    Returns ``(key_cache, value_cache)``, or ``(key_cache, value_cache, key_scale_cache,
+    value_scale_cache)`` when a side array is given for K or V (the other entry is None when that
+    side has no side array: static scales or ``"inline"``).
+    """
+    _check_choice(scale_rounding, "scale_rounding", SCALE_ROUNDINGS)
     slots = np.asarray(slots).astype(np.int64)
-    for x, cache, scale in ((key, key_cache, key_scale), (value, value_cache, value_scale)):
+    out, scale_out = [], []
+    for side, x, cache, scale, scale_cache in (
+            ("key", key, key_cache, key_scale, key_scale_cache),
+            ("value", value, value_cache, value_scale, value_scale_cache)):
+        _check_scale_cache_arg(scale_cache, f"{side}_scale_cache")
+        _check_no_static_scale(scale, scale_cache, f"{side}_scale")
+        x = np.asarray(x)
+        num_tokens, num_heads, head_dim = x.shape
         cache = np.array(cache, copy=True)
         fmt = resolve_format(cache.dtype.name, fp8_format)
-        pages = _pages_view(cache.view(np.uint8), layout)
-        page_size = pages.shape[1]
-        q = quantize(np.asarray(x), _scale_array(scale, x.shape[1]), fmt)
+        pages = _pages_view(cache.view(np.uint8), layout)   # [P, S, H, width]
+        num_pages, page_size, _, width = pages.shape
+        side_scales = None   # the [P, S, H or 1] view of a side array being written, if any
+        if scale_cache is None:
+            rows = quantize(x, _scale_array(scale, num_heads), fmt)      # [T, H, D] codes
+        else:
+            inline = isinstance(scale_cache, str)
+            if inline:
+                pad = _inline_pad(width, head_dim, f"{side}_cache")
+                granularity = "token_head"
+            else:
+                scale_cache = np.array(scale_cache, copy=True)
+                side_scales, granularity = _side_scales_view(scale_cache, cache.shape, layout,
+                                                             f"{side}_scale_cache")
+            s = dynamic_scales(x, fmt, granularity, scale_rounding)      # [T, H] or [T]
+            rows = quantize(x, s[:, :, None] if granularity == "token_head" else s[:, None, None],
+                            fmt)
+            if inline:   # append each head's scale bytes (little-endian fp32), then zeros
+                tail = np.zeros((num_tokens, num_heads, pad), dtype=np.uint8)
+                tail[..., :4] = s.astype("<f4").view(np.uint8).reshape(num_tokens, num_heads, 4)
+                rows = np.concatenate([rows, tail], axis=-1)
         for t, slot in enumerate(slots):
-            if 0 <= slot < pages.shape[0] * page_size:
-                pages[slot // page_size, slot % page_size] = q[t]
+            if 0 <= slot < num_pages * page_size:
+                page, offset = divmod(int(slot), page_size)
+                pages[page, offset] = rows[t]
+                if side_scales is not None:
+                    side_scales[page, offset] = s[t]
         out.append(cache)
-    return tuple(out)
+        scale_out.append(None if scale_cache is None or isinstance(scale_cache, str)
+                         else scale_cache)
+    if all(s is None for s in scale_out):
+        return tuple(out)
+    return tuple(out) + tuple(scale_out)
 
 
 def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_scale=None, *,
-                     dtype="bfloat16", layout="NHD", fp8_format=None, null_page=None):
-    """Reference ``dequantize_pages``: ``(key_pages, value_pages, new_block_table)``."""
+                     dtype="bfloat16", layout="NHD", fp8_format=None, null_page=None,
+                     key_scale_cache=None, value_scale_cache=None, head_dim=None):
+    """Reference ``dequantize_pages``: ``(key_pages, value_pages, new_block_table)``.
+
+    Static scales (``key_scale`` / ``value_scale``) or dynamic ones, read per token
+    (``key_scale_cache`` / ``value_scale_cache``, with that side's static scale None; K and V are
+    independent): a float32 side array as written by :func:`write_kv` (per token-head or per
+    token, told by its shape), or ``"inline"``: the scale is the little-endian fp32 in bytes
+    ``head_dim .. head_dim + 3`` of each head row (any bytes after it are ignored).
+
+    With ``"inline"``, ``head_dim=`` is required: the cache's last dimension is ``head_dim + 4``
+    or ``head_dim + 16``, which alone cannot tell them apart (a width of 148 is 144 + 4 or
+    132 + 16). When given without an inline cache it must equal the caches' last dimension.
+    The outputs hold ``head_dim`` columns (the data only). Padding entries of the block table
+    (``< 0``, past the cache, or ``== null_page``) give zero pages and read no scale.
+    """
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
+        raise TypeError(f"head_dim: expected None or an int, got {type(head_dim).__name__}")
+    inline_given = any(isinstance(c, str) and c == INLINE for c in (key_scale_cache,
+                                                                     value_scale_cache))
+    if inline_given and head_dim is None:
+        raise ValueError("head_dim: expected an int with an inline scale cache (the last dimension "
+                         "is head_dim + 4 or head_dim + 16), got None")
     table = np.asarray(block_table).astype(np.int64)
     batch, pages_per_seq = table.shape
     results = []
-    for cache, scale in ((key_cache, key_scale), (value_cache, value_scale)):
+    for side, cache, scale, scale_cache in (("key", key_cache, key_scale, key_scale_cache),
+                                            ("value", value_cache, value_scale, value_scale_cache)):
+        _check_scale_cache_arg(scale_cache, f"{side}_scale_cache")
+        _check_no_static_scale(scale, scale_cache, f"{side}_scale")
         cache = np.asarray(cache)
         fmt = resolve_format(cache.dtype.name, fp8_format)
         pages = _pages_view(cache.view(np.uint8), layout)
-        num_pages, page_size, num_heads, head_dim = pages.shape
-        out = np.zeros((batch * pages_per_seq, page_size, num_heads, head_dim), np_dtype(dtype))
-        s = _scale_array(scale, num_heads)
+        num_pages, page_size, num_heads, width = pages.shape
+        inline = isinstance(scale_cache, str)
+        if inline:
+            _inline_pad(width, head_dim, f"{side}_cache")
+            data_dim = head_dim
+            # [P, S, H]: the 4 scale bytes of every head row, read as little-endian fp32
+            side_scales = np.ascontiguousarray(pages[..., head_dim:head_dim + 4]).view("<f4")
+            side_scales = side_scales.astype(np.float32)   # [P, S, H, 1]: broadcasts over data
+        else:
+            if head_dim is not None and head_dim != width:
+                raise ValueError(f"head_dim: expected the last dimension of {side}_cache "
+                                 f"({width}) without an inline scale cache, got {head_dim}")
+            data_dim = width
+            side_scales = None
+            if scale_cache is not None:
+                view, _ = _side_scales_view(np.asarray(scale_cache), cache.shape, layout,
+                                            f"{side}_scale_cache")
+                side_scales = view[..., None]                   # [P, S, H or 1, 1]
+        static = _scale_array(scale, num_heads)
+        out = np.zeros((batch * pages_per_seq, page_size, num_heads, data_dim), np_dtype(dtype))
         for i, page in enumerate(table.reshape(-1)):
             padding = page < 0 or page >= num_pages or (null_page is not None and page == null_page)
             if not padding:
-                out[i] = dequantize(pages[page], s, fmt, dtype)
+                s = static if side_scales is None else side_scales[page]
+                out[i] = dequantize(pages[page, ..., :data_dim], s, fmt, dtype)
         if cache.ndim == 3:
             out = out[:, 0]
         elif layout == "HND":

@@ -1,0 +1,236 @@
+"""Attention accuracy of an FP8 KV cache under each scale scheme (NumPy, CPU, a few seconds).
+
+``python -m bench.accuracy [--out DIR]`` or ``bench.accuracy.run(out_dir)``: writes
+``accuracy.csv`` and ``accuracy.png`` to the directory and returns the rows.
+
+What is measured: decode-style attention (``NUM_QUERIES`` queries, ``Q_HEADS`` query heads over
+``KV_HEADS`` kv heads, ``HEAD_DIM``, no mask) over a context of bf16 K/V. The golden output is
+fp32 attention over those bf16 K/V; the measured one is the same fp32 attention over K/V that were
+written into a paged FP8 cache and read back as bf16 through :func:`fp8kv.reference.write_kv` and
+:func:`fp8kv.reference.dequantize_pages`, so the numbers are those of the project's exact bytes.
+
+Scale schemes (K and V each get their own):
+
+* ``tensor-unit``: a static scale of 1.0 (no calibration);
+* ``tensor``: one static scale, amax of the whole context / fmax (calibrated on the very data
+  written: the best case for a static scale);
+* ``head``: one static scale per kv head, amax over the context;
+* ``token`` / ``token-head``: dynamic scales computed at write time, stored in a side cache.
+
+The static calibrated scales are computed with :func:`fp8kv.reference.dynamic_scales` over the
+whole tensor (or head) as one group, so every scheme follows the same rule (fp32 division, the
+1e-6 floor, and ``pow2``: rounded up to a power of two).
+
+K/V: Gaussian with per-channel and per-token magnitude spread ("plain"), and the same with
+outlier channels ("outliers"): in each kv head, 4 key channels 20-100x larger and 1 value
+channel 20x larger, as seen in real models' keys. Queries are Gaussian, scaled so that the logits
+have a standard deviation of ``LOGIT_STD`` in both kinds.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import pathlib
+import time
+
+import numpy as np
+
+from fp8kv import reference as ref
+from fp8kv.formats import FORMATS
+
+CONTEXTS = (128, 8192)
+Q_HEADS, KV_HEADS, HEAD_DIM, NUM_QUERIES, PAGE_SIZE = 8, 2, 128, 16, 16
+LOGIT_STD = 3.0
+FORMAT_NAMES = ("e4m3", "e5m2")
+KV_KINDS = ("plain", "outliers")
+# (scheme, rounding) in plot order
+SCHEMES = (("tensor-unit", "-"), ("tensor", "exact"), ("tensor", "pow2"), ("head", "exact"),
+           ("head", "pow2"), ("token", "exact"), ("token", "pow2"), ("token-head", "exact"),
+           ("token-head", "pow2"))
+# fp32 side-cache bytes per token, for K (the same again for V)
+SCALE_BYTES = {"token": 4, "token-head": 4 * KV_HEADS}
+COLUMNS = ("context", "kv", "fmt", "scheme", "rounding", "attn_rel_l2", "attn_max_abs",
+           "k_rel_l2", "v_rel_l2", "scale_bytes_per_token")
+
+
+def make_inputs(context: int, kind: str, seed: int = 0):
+    """bf16 queries ``[NUM_QUERIES, Q_HEADS, D]`` and keys/values ``[context, KV_HEADS, D]``."""
+    rng = np.random.default_rng([seed, context, KV_KINDS.index(kind)])
+    bf16 = ref.np_dtype("bfloat16")
+
+    def kv():
+        x = rng.standard_normal((context, KV_HEADS, HEAD_DIM))
+        x *= np.exp(0.5 * rng.standard_normal((1, KV_HEADS, HEAD_DIM)))   # channel spread
+        x *= np.exp(0.3 * rng.standard_normal((context, 1, 1)))           # token spread
+        return x
+
+    k, v = kv(), kv()
+    if kind == "outliers":
+        for h in range(KV_HEADS):
+            ch = rng.choice(HEAD_DIM, size=5, replace=False)
+            k[:, h, ch[:4]] *= rng.uniform(20, 100, size=4)
+            v[:, h, ch[4]] *= 20
+    q = rng.standard_normal((NUM_QUERIES, Q_HEADS, HEAD_DIM))
+    # Scale the queries so that the logits q.k / sqrt(d) have std LOGIT_STD in both kinds: the
+    # kinds then differ in how K/V are distributed, not in how peaked the softmax is.
+    group = Q_HEADS // KV_HEADS
+    logits = np.stack([q[:, h] @ k[:, h // group].T for h in range(Q_HEADS)]) / np.sqrt(HEAD_DIM)
+    q *= LOGIT_STD / logits.std()
+    return q.astype(bf16), k.astype(bf16), v.astype(bf16)
+
+
+def attention(q, k, v) -> np.ndarray:
+    """fp32 softmax(q k^T / sqrt(d)) v per query head (grouped-query: kv head = head // group)."""
+    # [H, T, D] contiguous fp32 copies (bf16 -> fp32 is exact)
+    q, k, v = (np.ascontiguousarray(a.astype(np.float32).transpose(1, 0, 2)) for a in (q, k, v))
+    group = Q_HEADS // KV_HEADS
+    out = np.empty((NUM_QUERIES, Q_HEADS, HEAD_DIM), np.float32)
+    for h in range(Q_HEADS):
+        kh, vh = k[h // group], v[h // group]
+        logits = q[h] @ kh.T / np.float32(np.sqrt(HEAD_DIM))
+        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        out[:, h] = (p / p.sum(axis=-1, keepdims=True)) @ vh
+    return out
+
+
+def static_scale(x, fmt: str, scheme: str, rounding: str):
+    """None (unit), a float (whole tensor) or ``[H]`` (per head), by the dynamic rule applied to
+    the whole tensor / each head as one group."""
+    if scheme == "tensor-unit":
+        return None
+    if scheme == "tensor":
+        return float(ref.dynamic_scales(x.reshape(1, 1, -1), fmt, "token", rounding)[0])
+    per_head = np.ascontiguousarray(x.transpose(1, 0, 2)).reshape(KV_HEADS, 1, -1)
+    return ref.dynamic_scales(per_head, fmt, "token", rounding)
+
+
+def roundtrip(k, v, fmt: str, scheme: str, rounding: str):
+    """K/V written into a paged cache under the scheme and read back as bf16 ``[T, H, D]``."""
+    context = k.shape[0]
+    pages = -(-context // PAGE_SIZE)
+    cache = np.zeros((pages, PAGE_SIZE, KV_HEADS, HEAD_DIM), ref.np_dtype(FORMATS[fmt].dtype))
+    slots = np.arange(context)
+    table = np.arange(pages, dtype=np.int32)[None]
+    if scheme in ("token", "token-head"):
+        shape = (pages, PAGE_SIZE) + ((KV_HEADS,) if scheme == "token-head" else ())
+        side = np.zeros(shape, np.float32)
+        kc, vc, ks, vs = ref.write_kv(k, v, cache, cache, slots, key_scale_cache=side,
+                                      value_scale_cache=side, scale_rounding=rounding)
+        kp, vp, _ = ref.dequantize_pages(kc, vc, table, key_scale_cache=ks, value_scale_cache=vs)
+    else:
+        k_s, v_s = static_scale(k, fmt, scheme, rounding), static_scale(v, fmt, scheme, rounding)
+        kc, vc = ref.write_kv(k, v, cache, cache, slots, k_s, v_s)
+        kp, vp, _ = ref.dequantize_pages(kc, vc, table, k_s, v_s)
+    flat = (pages * PAGE_SIZE, KV_HEADS, HEAD_DIM)
+    return kp.reshape(flat)[:context], vp.reshape(flat)[:context]
+
+
+def _rel_l2(got, want) -> float:
+    got, want = (a.astype(np.float32).astype(np.float64) for a in (got, want))
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def measure() -> list[dict]:
+    rows = []
+    for context in CONTEXTS:
+        for kind in KV_KINDS:
+            q, k, v = make_inputs(context, kind)
+            golden = attention(q, k, v)
+            for fmt in FORMAT_NAMES:
+                for scheme, rounding in SCHEMES:
+                    kd, vd = roundtrip(k, v, fmt, scheme, "exact" if rounding == "-" else rounding)
+                    out = attention(q, kd, vd)
+                    err = np.abs(out.astype(np.float64) - golden)
+                    rows.append(dict(
+                        context=context, kv=kind, fmt=fmt, scheme=scheme, rounding=rounding,
+                        attn_rel_l2=_rel_l2(out, golden),
+                        attn_max_abs=float(err.max()) if np.isfinite(err).all() else float("inf"),
+                        k_rel_l2=_rel_l2(kd, k), v_rel_l2=_rel_l2(vd, v),
+                        scale_bytes_per_token=SCALE_BYTES.get(scheme, 0)))
+    return rows
+
+
+def write_csv(rows, path: pathlib.Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: f"{r[c]:.6g}" if isinstance(r[c], float) else r[c] for c in COLUMNS})
+
+
+def scheme_label(row) -> str:
+    return row["scheme"] if row["rounding"] == "-" else f"{row['scheme']} ({row['rounding']})"
+
+
+def plot(rows, path: pathlib.Path) -> None:
+    """Grouped bars on a log scale: one group per (context, K/V kind, format), one bar per scheme;
+    relative L2 error on top, max abs error below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["context"], r["kv"], r["fmt"]) for r in rows))
+    labels = list(dict.fromkeys(scheme_label(r) for r in rows))
+    value = {(r["context"], r["kv"], r["fmt"], scheme_label(r)): r for r in rows}
+    fig, axes = plt.subplots(2, 1, figsize=(15, 9), sharex=True)
+    width = 0.85 / len(labels)
+    colors = plt.get_cmap("tab10").colors
+    for ax, metric, title in ((axes[0], "attn_rel_l2", "attention output: relative L2 error"),
+                              (axes[1], "attn_max_abs", "attention output: max abs error")):
+        for i, label in enumerate(labels):
+            xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(groups))]
+            ys = [value[g + (label,)][metric] for g in groups]
+            ax.bar(xs, ys, width, label=label, color=colors[i % len(colors)],
+                   hatch="//" if "pow2" in label else None, edgecolor="white", linewidth=0.3)
+        ax.set_yscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    axes[1].set_xticks(range(len(groups)), [f"ctx {c}\n{kind}\n{fmt}" for c, kind, fmt in groups],
+                       fontsize=8)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.suptitle(f"FP8 KV cache vs bf16 K/V: decode attention, {Q_HEADS} query heads / "
+                 f"{KV_HEADS} kv heads, head_dim {HEAD_DIM}, {NUM_QUERIES} queries")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(rows) -> str:
+    """The results as a markdown table (one line per row)."""
+    lines = ["| context | K/V | format | scale | attn rel L2 | attn max abs | K rel L2 | "
+             "V rel L2 |",
+             "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['context']} | {r['kv']} | {r['fmt']} | {scheme_label(r)} | "
+              f"{r['attn_rel_l2']:.2e} | {r['attn_max_abs']:.2e} | {r['k_rel_l2']:.2e} | "
+              f"{r['v_rel_l2']:.2e} |" for r in rows]
+    return "\n".join(lines)
+
+
+def run(out_dir: pathlib.Path) -> list[dict]:
+    """Measure every configuration; write ``accuracy.csv`` and ``accuracy.png`` into ``out_dir``."""
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = measure()
+    write_csv(rows, out_dir / "accuracy.csv")
+    plot(rows, out_dir / "accuracy.png")
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.accuracy",
+                                description="FP8 KV-cache attention accuracy per scale scheme.")
+    p.add_argument("--out", type=pathlib.Path,
+                   default=pathlib.Path(__file__).resolve().parent / "out",
+                   help="output directory (default: bench/out/)")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    rows = run(args.out)
+    print(markdown(rows))
+    print(f"\nwrote {args.out / 'accuracy.csv'} and {args.out / 'accuracy.png'} "
+          f"in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
