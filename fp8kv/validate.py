@@ -15,6 +15,9 @@ from .formats import (CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, INPUT_DTYPES, OUTP
 from .layout import LAYOUTS, PagedCache, combined_halves, expected_cache_shape, paged, pages_shape
 from .modes import ScaleMode
 
+FP32_MIN_NORMAL = 2.0 ** -126
+FP32_MAX = float.fromhex("0x1.fffffep127")
+
 
 def check_layout(layout) -> str:
     if layout not in LAYOUTS:
@@ -43,6 +46,12 @@ def check_unit_last_stride(info: ArrayInfo, name: str) -> None:
     if info.ndim and info.shape[-1] > 1 and 0 not in info.shape and info.strides[-1] != 1:
         raise ValueError(f"{name}: expected a unit-stride last dimension, got strides "
                          f"{fmt_shape(info.strides)}")
+
+
+def check_contiguous(info: ArrayInfo, name: str) -> None:
+    """A 1-D array the kernels read by index alone (slots, per-head scales)."""
+    if info.ndim == 1 and info.shape[0] > 1 and info.strides[0] != 1:
+        raise ValueError(f"{name}: expected a contiguous array, got strides {fmt_shape(info.strides)}")
 
 
 def check_same_device(named: dict) -> str:
@@ -107,6 +116,7 @@ def check_scale(scale, name: str, num_heads: int, device: str):
                              f"{fmt_shape(scale.shape)}")
         if scale.device != device:
             raise ValueError(f"{name}: expected device {device} (that of the cache), got {scale.device}")
+        check_contiguous(scale, name)
         if scale.shape == (num_heads,) and num_heads > 1:
             return ScaleMode.HEAD, 1.0
         return ScaleMode.TENSOR, 1.0
@@ -115,6 +125,10 @@ def check_scale(scale, name: str, num_heads: int, device: str):
     value = float(scale)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name}: expected a finite scale > 0, got {value}")
+    # The kernels take the scale as an fp32 argument: it must be a normal fp32 number.
+    if not FP32_MIN_NORMAL <= value <= FP32_MAX:
+        raise ValueError(f"{name}: expected a scale in the normal fp32 range [2**-126, "
+                         f"{FP32_MAX:.6g}], got {value}")
     if value == 1.0:  # x / 1 == x exactly: skip the division
         return ScaleMode.NONE, 1.0
     return ScaleMode.VALUE, value
@@ -157,12 +171,18 @@ def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scal
     cache_name = "kv_cache" if kv_cache is not None else "key_cache"
     num_tokens, num_heads, head_dim = key.shape
     if (kc.num_heads, kc.head_dim) != (num_heads, head_dim):
+        other = "HND" if layout == "NHD" else "NHD"
+        hint = ""
+        if kc.page_size == num_heads and kc.head_dim == head_dim:
+            hint = f"; these shapes fit layout={other!r}"
         raise ValueError(f"{cache_name}: expected num_kv_heads={num_heads} and head_dim={head_dim} "
-                         f"(those of key), got num_kv_heads={kc.num_heads} and head_dim={kc.head_dim}")
+                         f"(those of key), got num_kv_heads={kc.num_heads} and head_dim={kc.head_dim} "
+                         f"with layout={layout!r}{hint}")
     check_dtype(slots, "slots", SLOT_DTYPES)
     if slots.shape != (num_tokens,):
         raise ValueError(f"slots: expected shape [{num_tokens}] (one per token), got "
                          f"{fmt_shape(slots.shape)}")
+    check_contiguous(slots, "slots")
     ks_mode, ks_value = check_scale(key_scale, "key_scale", num_heads, device)
     vs_mode, vs_value = check_scale(value_scale, "value_scale", num_heads, device)
     return WriteArgs(num_tokens, key, value, kc, vc, fmt, ks_mode, ks_value, vs_mode, vs_value,

@@ -13,7 +13,6 @@ import torch
 
 from . import _launch
 from ._ops import dequantize_pages_op, split_scale, write_kv_op
-from fp8kv.validate import dequantized_shape
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
 
@@ -111,34 +110,30 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
                 fp8_format, null_page, out, combined):
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
-    args = None
-    if out is None:
-        args = _launch.dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale,
-                                       _launch.dtype_name(dtype), layout, fp8_format, null_page)
-        shape = dequantized_shape(args, combined)
-        device = key_cache.device
-        outs = [torch.empty(shape, dtype=dtype, device=device)]
-        if not combined:
-            outs.append(torch.empty(shape, dtype=dtype, device=device))
-        outs.append(torch.empty(args.batch, args.pages_per_seq, dtype=torch.int32, device=device))
-    else:
+    outs = None
+    if out is not None:
         outs = list(out)
         if len(outs) != (2 if combined else 3):
             names = ("(kv_pages, new_block_table)" if combined
                      else "(key_pages, value_pages, new_block_table)")
             raise ValueError(f"out: expected {names}, got {len(outs)} tensors")
-        if outs[0].dtype != dtype:
+        if isinstance(outs[0], torch.Tensor) and outs[0].dtype != dtype:
             raise TypeError(f"out[0]: expected dtype {dtype} (the dtype argument), got {outs[0].dtype}")
-    key_out, value_out = outs[0], (None if combined else outs[1])
+        if combined:
+            outs.insert(1, None)
     if torch.compiler.is_compiling():
+        if outs is None:
+            outs = _launch.dequantize_pages(key_cache, value_cache, block_table, key_scale,
+                                            value_scale, dtype, layout, fp8_format, null_page,
+                                            launch=False)
         ks, ksv = split_scale(key_scale)
         vs, vsv = split_scale(value_scale)
         dequantize_pages_op(key_cache, value_cache, block_table, ks, vs, ksv, vsv, layout, fp8_format,
-                            null_page, key_out, value_out, outs[-1])
+                            null_page, *outs)
     else:
-        _launch.dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, layout,
-                                 fp8_format, null_page, key_out, value_out, outs[-1], args=args)
-    return tuple(outs)
+        outs = _launch.dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale,
+                                        dtype, layout, fp8_format, null_page, outs)
+    return tuple(o for o in outs if o is not None)
 
 
 def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor,

@@ -1,14 +1,20 @@
-"""torch tensors -> core validation -> core plan -> kernel launch. No decisions are made here."""
+"""torch tensors -> core validation -> core plan -> kernel launch. No decisions are made here.
+
+An engine repeats the same call signature every step, so each op keeps its launch ready per
+signature (:class:`_ReadyLaunch`): a steady-state call costs a key of its tensors' metadata, one
+dict lookup and one launch. Everything that validation or the plan read is in the key (shapes,
+strides, dtypes, devices, 16-byte alignment, scale kinds and values, options), so a call that
+differs in any of them is validated and planned afresh; a call that fails validation is never
+cached, and fails the same way every time.
+"""
 from __future__ import annotations
 
 import torch
-from triton import knobs
-from triton.runtime import driver
 
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import BoundCall, bind
-from fp8kv.plan import CUDA, INTERPRET, plan_dequantize, plan_write
+from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
 from fp8kv.validate import check_dequantize, check_out, check_write, dequantized_shape
 
 
@@ -17,13 +23,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def info(t: torch.Tensor) -> ArrayInfo:
+def info(t: torch.Tensor, name: str) -> ArrayInfo:
+    """What the core validates of a tensor argument; anything else is a TypeError naming it."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     return ArrayInfo(tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype), str(t.device))
 
 
-def scale_arg(scale):
+def scale_arg(scale, name: str):
     """A scale as the core sees it: None, a number, or an ArrayInfo (the core checks which)."""
-    return info(scale) if isinstance(scale, torch.Tensor) else scale
+    return info(scale, name) if isinstance(scale, torch.Tensor) else scale
 
 
 def _backend(t: torch.Tensor, name: str) -> str:
@@ -34,43 +43,32 @@ def _backend(t: torch.Tensor, name: str) -> str:
     raise ValueError(f"{name}: expected a CUDA or CPU tensor, got device {t.device}")
 
 
-def _launch(kernel, plan, backend, device, arrays):
-    """Launch through Triton's own entry point; returns the bound call and, on CUDA, the
-    CompiledKernel."""
-    call = bind(kernel, plan, arrays)
-    kernel = ops.kernel_for(kernel, backend == INTERPRET)
-    if backend == CUDA and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            return call, kernel[plan.grid](*call.args, num_warps=plan.num_warps, **call.constexprs)
-    return call, kernel[plan.grid](*call.args, num_warps=plan.num_warps, **call.constexprs)
-
-
 class _ReadyLaunch:
-    """A compiled kernel bound to its grid, scalars and constexprs: one C launch per call.
+    """A kernel bound to its grid, scalars and constexprs: one launch per call.
 
-    ``kernel[grid](...)`` re-binds and re-specializes every argument in Python (~10 us); a steady
-    serving loop repeats the same signature, so ``write_kv`` keys this on everything that decided
-    the plan and Triton's specialization (shapes, strides, dtypes, scales, 16-byte alignment).
+    On CUDA it holds the launcher of the compiled kernel (``CompiledKernel[grid]``, the public
+    entry point Triton returns from a launch), which skips ``kernel[grid](...)``'s per-call
+    argument binding and specialization (~10 us); under the interpreter, the interpreted kernel.
     """
 
-    __slots__ = ("compiled", "grid", "inputs", "outputs", "scalars", "constexprs")
+    __slots__ = ("launch", "inputs", "outputs", "scalars", "outputs_spec")
 
-    def __init__(self, compiled, call: BoundCall, grid):
-        self.compiled = compiled
-        self.grid = grid + (1,) * (3 - len(grid))
+    def __init__(self, kernel, launched, call: BoundCall, plan: LaunchPlan, backend: str,
+                 outputs_spec=None):
         self.inputs, self.outputs = call.signature.inputs, call.signature.outputs
         self.scalars = call.scalars
-        self.constexprs = tuple(call.constexprs.values())
+        self.outputs_spec = outputs_spec  # what an allocating call allocates
+        if backend == CUDA:
+            runner = launched[plan.grid + (1,) * (3 - len(plan.grid))]
+            tail = tuple(call.constexprs.values())
+            self.launch = lambda args: runner(*args, *tail)
+        else:
+            runner = ops.kernel_for(kernel, True)[plan.grid]
+            self.launch = lambda args: runner(*args, num_warps=plan.num_warps, **call.constexprs)
 
-    def __call__(self, device_index, arrays):
-        c = self.compiled
-        args = (*[arrays[n] for n in self.inputs], *self.scalars,
-                *[arrays[n] for n in self.outputs], *self.constexprs)
-        stream = driver.active.get_current_stream(device_index)
-        meta = None if knobs.runtime.launch_enter_hook is None else c.launch_metadata(
-            self.grid, stream, *args)
-        c.run(*self.grid, stream, c.function, c.packed_metadata, meta, knobs.runtime.launch_enter_hook,
-              knobs.runtime.launch_exit_hook, *args)
+    def __call__(self, arrays: dict) -> None:
+        self.launch((*[arrays[n] for n in self.inputs], *self.scalars,
+                     *[arrays[n] for n in self.outputs]))
 
 
 _READY: dict = {}
@@ -84,12 +82,42 @@ def clear_launch_caches() -> None:
     _READY.clear()
 
 
-def _tensor_key(t: torch.Tensor):
-    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+def _tensor_key(t):
+    if t is None or not isinstance(t, torch.Tensor):
+        return t  # None, or a host scale (its value is part of the plan)
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
 
 
-def _scale_key(scale):
-    return _tensor_key(scale) if isinstance(scale, torch.Tensor) else scale
+def _find_ready(op: str, tensors, options):
+    """``(key, ready launch or None)`` for a call; key None where no ready launch may serve it:
+    tensors on a CUDA device other than the current one (they launch under a device guard), or
+    arguments that are not what they should be (validation then says which)."""
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor) or (
+            first.is_cuda and first.get_device() != torch.cuda.current_device()):
+        return None, None
+    key = (op, options, *map(_tensor_key, tensors))
+    try:
+        return key, _READY.get(key)
+    except TypeError:  # unhashable: not a tensor or a number
+        return None, None
+
+
+def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, arrays: dict,
+            ready_key=None, outputs_spec=None) -> None:
+    """Launch through Triton's own entry point; keep it ready under ``ready_key``."""
+    call = bind(kernel, plan, arrays)
+    runnable = ops.kernel_for(kernel, backend == INTERPRET)
+    launch = runnable[plan.grid]
+    if backend == CUDA and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            launch(*call.args, num_warps=plan.num_warps, **call.constexprs)
+        return
+    launched = launch(*call.args, num_warps=plan.num_warps, **call.constexprs)
+    if ready_key is not None and (backend == INTERPRET or hasattr(launched, "__getitem__")):
+        if len(_READY) >= _READY_LIMIT:
+            _READY.clear()
+        _READY[ready_key] = _ReadyLaunch(kernel, launched, call, plan, backend, outputs_spec)
 
 
 def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
@@ -100,32 +128,24 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
     validates (the fake implementation of the custom op).
     """
     combined = value_cache is None
+    arrays = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale)
     ready_key = None
-    if launch and exact is None and key.is_cuda and key.device.index == torch.cuda.current_device():
-        ready_key = (_tensor_key(key), _tensor_key(value), _tensor_key(key_cache),
-                     None if combined else _tensor_key(value_cache), _tensor_key(slots),
-                     _scale_key(key_scale), _scale_key(value_scale), layout, fp8_format,
-                     key.device.index)
-        ready = _READY.get(ready_key)
+    if launch and exact is None:
+        ready_key, ready = _find_ready("write", (key, value, key_cache, value_cache, slots,
+                                                 key_scale, value_scale), (layout, fp8_format))
         if ready is not None:
-            ready(key.device.index, _write_operands(key, value, key_cache, value_cache, slots,
-                                                    key_scale, value_scale))
-            return
+            return ready(arrays)
     args = check_write(
-        info(key), info(value), None if combined else info(key_cache),
-        None if combined else info(value_cache), info(slots),
-        scale_arg(key_scale), scale_arg(value_scale),
-        layout=layout, fp8_format=fp8_format, kv_cache=info(key_cache) if combined else None)
+        info(key, "key"), info(value, "value"), None if combined else info(key_cache, "key_cache"),
+        None if combined else info(value_cache, "value_cache"), info(slots, "slots"),
+        scale_arg(key_scale, "key_scale"), scale_arg(value_scale, "value_scale"),
+        layout=layout, fp8_format=fp8_format,
+        kv_cache=info(key_cache, "kv_cache") if combined else None)
     backend = _backend(key, "key")
     plan = plan_write(args, backend, exact)
     if plan.empty or not launch:
         return
-    arrays = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale)
-    call, compiled = _launch(ops._write_kv_kernel, plan, backend, key.device, arrays)
-    if ready_key is not None:
-        if len(_READY) >= _READY_LIMIT:
-            _READY.clear()
-        _READY[ready_key] = _ReadyLaunch(compiled, call, plan.grid)
+    _launch(ops._write_kv_kernel, plan, backend, key.device, arrays, ready_key)
 
 
 def _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale) -> dict:
@@ -143,44 +163,66 @@ def _pointer_or(scale, placeholder):
     return scale if isinstance(scale, torch.Tensor) else placeholder
 
 
-def dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
-                    fp8_format, null_page):
-    combined = value_cache is None
-    return check_dequantize(
-        None if combined else info(key_cache), None if combined else info(value_cache),
-        info(block_table), scale_arg(key_scale), scale_arg(value_scale),
-        dtype=dtype, layout=layout, fp8_format=fp8_format, null_page=null_page,
-        kv_cache=info(key_cache) if combined else None)
+def _dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale, outs) -> dict:
+    key_out, value_out, table_out = outs
+    return dict(key_cache_ptr=key_cache,
+                value_cache_ptr=key_cache if value_cache is None else value_cache,
+                table_ptr=block_table, key_scale_ptr=_pointer_or(key_scale, block_table),
+                value_scale_ptr=_pointer_or(value_scale, block_table), key_out_ptr=key_out,
+                value_out_ptr=key_out if value_out is None else value_out, new_table_ptr=table_out)
 
 
-def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, layout, fp8_format,
-                     null_page, key_out, value_out, table_out, exact=None, launch=True, args=None):
-    """Validate, plan and launch one dequantize into preallocated outputs.
+def _allocate(spec, device) -> tuple:
+    """``(key_out, value_out or None, table_out)`` from ``(pages shape, dtype, combined, table
+    shape)``."""
+    shape, dtype, combined, table_shape = spec
+    key_out = torch.empty(shape, dtype=dtype, device=device)
+    value_out = None if combined else torch.empty(shape, dtype=dtype, device=device)
+    return key_out, value_out, torch.empty(table_shape, dtype=torch.int32, device=device)
 
-    ``value_cache=None``: ``key_cache`` is a combined cache; ``value_out=None``: ``key_out`` is a
-    combined output. ``args``: the caller's :func:`dequantize_args` for these inputs, if it has them
-    (the allocating call validated already to size the outputs).
+
+def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
+                     fp8_format, null_page, outs=None, exact=None, launch=True) -> tuple:
+    """Validate, plan and launch one dequantize; returns ``(key_out, value_out, table_out)``.
+
+    ``value_cache=None``: ``key_cache`` is a combined cache, and the output is combined too
+    (``value_out`` None). ``outs``: preallocated ``(key_out, value_out, table_out)``, or None to
+    allocate them.
     """
-    dtype = dtype_name(key_out.dtype)
-    if args is None:
-        args = dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale, dtype,
-                               layout, fp8_format, null_page)
+    combined = value_cache is None
+    ready_key = None
+    if launch and exact is None:
+        tensors = (key_cache, value_cache, block_table, key_scale, value_scale, *(outs or ()))
+        ready_key, ready = _find_ready("dequantize", tensors,
+                                       (dtype, layout, fp8_format, null_page, outs is None))
+        if ready is not None:
+            outs = outs or _allocate(ready.outputs_spec, key_cache.device)
+            ready(_dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale,
+                                       outs))
+            return outs
+    args = check_dequantize(
+        None if combined else info(key_cache, "key_cache"),
+        None if combined else info(value_cache, "value_cache"), info(block_table, "block_table"),
+        scale_arg(key_scale, "key_scale"), scale_arg(value_scale, "value_scale"),
+        dtype=dtype_name(dtype), layout=layout, fp8_format=fp8_format, null_page=null_page,
+        kv_cache=info(key_cache, "kv_cache") if combined else None)
+    spec = (dequantized_shape(args, combined), dtype, combined, (args.batch, args.pages_per_seq))
+    if outs is None:
+        outs = _allocate(spec, key_cache.device)
+    key_out, value_out, table_out = outs
     device = str(key_cache.device)
-    combined_out = value_out is None
-    check_out(info(key_out), "out[0]", dequantized_shape(args, combined_out), dtype, device)
-    if not combined_out:
-        check_out(info(value_out), "out[1]", dequantized_shape(args, False), dtype, device)
-    check_out(info(table_out), "out[-1]", (args.batch, args.pages_per_seq), "int32", device)
+    check_out(info(key_out, "out[0]"), "out[0]", spec[0], args.out_dtype, device)
+    if not combined:
+        check_out(info(value_out, "out[1]"), "out[1]", spec[0], args.out_dtype, device)
+    check_out(info(table_out, "out[-1]"), "out[-1]", spec[3], "int32", device)
     if not table_out.is_contiguous():
         raise ValueError("out[-1]: expected a contiguous new_block_table")
     backend = _backend(key_cache, "key_cache")
-    plan = plan_dequantize(args, info(key_out), None if combined_out else info(value_out), backend,
-                           exact)
+    plan = plan_dequantize(args, info(key_out, "out[0]"),
+                           None if combined else info(value_out, "out[1]"), backend, exact)
     if plan.empty or not launch:
-        return
-    value_cache = key_cache if value_cache is None else value_cache
-    arrays = dict(key_cache_ptr=key_cache, value_cache_ptr=value_cache, table_ptr=block_table,
-                  key_scale_ptr=_pointer_or(key_scale, block_table),
-                  value_scale_ptr=_pointer_or(value_scale, block_table), key_out_ptr=key_out,
-                  value_out_ptr=key_out if combined_out else value_out, new_table_ptr=table_out)
-    _launch(ops._dequantize_pages_kernel, plan, backend, key_cache.device, arrays)
+        return outs
+    _launch(ops._dequantize_pages_kernel, plan, backend, key_cache.device,
+            _dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale, outs),
+            ready_key, spec)
+    return outs

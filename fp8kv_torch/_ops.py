@@ -44,8 +44,8 @@ def dequantize_pages_op(key_cache: Tensor, value_cache: Optional[Tensor], block_
                         key_out: Tensor, value_out: Optional[Tensor], table_out: Tensor) -> None:
     _launch.dequantize_pages(key_cache, value_cache, block_table,
                              join_scale(key_scale, key_scale_value),
-                             join_scale(value_scale, value_scale_value), layout, fp8_format,
-                             null_page, key_out, value_out, table_out)
+                             join_scale(value_scale, value_scale_value), key_out.dtype, layout,
+                             fp8_format, null_page, (key_out, value_out, table_out))
 
 
 @dequantize_pages_op.register_fake
@@ -54,5 +54,5 @@ def _dequantize_pages_fake(key_cache, value_cache, block_table, key_scale, value
                            key_out, value_out, table_out):
     _launch.dequantize_pages(key_cache, value_cache, block_table,
                              join_scale(key_scale, key_scale_value),
-                             join_scale(value_scale, value_scale_value), layout, fp8_format,
-                             null_page, key_out, value_out, table_out, launch=False)
+                             join_scale(value_scale, value_scale_value), key_out.dtype, layout,
+                             fp8_format, null_page, (key_out, value_out, table_out), launch=False)

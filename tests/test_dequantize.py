@@ -38,8 +38,8 @@ def run_case(case: DequantCase, device: str, exact=None, seed: int = 0):
         assert all(g is o for g, o in zip(got, outs))
     else:
         _launch.dequantize_pages(t["key_cache"], t["value_cache"], t["block_table"], t["key_scale"],
-                                 t["value_scale"], case.api_layout, case.fp8_format, case.null_page,
-                                 *outs, exact=exact)
+                                 t["value_scale"], dtype, case.api_layout, case.fp8_format,
+                                 case.null_page, outs, exact=exact)
     return tuple(bits(o) for o in outs), tuple(as_uint(w) for w in want)
 
 

@@ -1,0 +1,146 @@
+"""The ready-launch cache of fp8kv_torch: a new signature is always validated and planned afresh.
+
+Every call is counted at the core's validation (``check_write`` / ``check_dequantize``, as
+imported by the launcher); the cache may skip it only for a repeat of a signature that passed.
+The bytes written through cached launches are checked against the reference.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from conftest import bits, to_torch, torch
+from fp8kv import reference as ref
+from fp8kv_torch import _launch, dequantize_pages, dequantize_pages_combined, write_kv
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """Count the launcher's validations; start from an empty cache."""
+    counts = {"write": 0, "dequantize": 0}
+
+    def counting(name, check):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return check(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(_launch, "check_write", counting("write", _launch.check_write))
+    monkeypatch.setattr(_launch, "check_dequantize",
+                        counting("dequantize", _launch.check_dequantize))
+    _launch.clear_launch_caches()
+    yield counts
+    _launch.clear_launch_caches()
+
+
+def _write_inputs(device, tokens=3, heads=2, head_dim=16, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(tokens, heads, head_dim, generator=g).to(dtype).to(device)
+    v = torch.randn(tokens, heads, head_dim, generator=g).to(dtype).to(device)
+    caches = [torch.zeros(4, 4, heads, head_dim, dtype=torch.uint8, device=device) for _ in range(2)]
+    slots = torch.arange(tokens, dtype=torch.int64, device=device) * 3
+    return k, v, *caches, slots
+
+
+def _expected_write(k, v, kc, vc, slots, ks, vs):
+    def host(t):
+        if t is None or isinstance(t, float):
+            return t
+        return t.float().cpu().numpy().astype(ml_dtypes.bfloat16 if t.dtype == torch.bfloat16
+                                              else np.float32)
+
+    want = ref.write_kv(host(k), host(v), kc.cpu().numpy(), vc.cpu().numpy(), slots.cpu().numpy(),
+                        host(ks), host(vs))
+    return [np.asarray(w).view(np.uint8) for w in want]
+
+
+def test_repeat_is_cached_and_new_signatures_revalidate(device, validations):
+    k, v, kc, vc, slots = _write_inputs(device)
+    scale = torch.tensor(0.5, device=device)
+    write_kv(k, v, kc, vc, slots, scale, scale)
+    write_kv(k, v, kc, vc, slots, scale, scale)
+    assert validations["write"] == 1
+    variants = {
+        "tokens": lambda: _write_inputs(device, tokens=5),
+        "dtype": lambda: _write_inputs(device, dtype=torch.float16),
+        "heads": lambda: _write_inputs(device, heads=1),
+    }
+    for name, make in variants.items():
+        before = validations["write"]
+        write_kv(*make(), scale, scale)
+        assert validations["write"] == before + 1, name
+    before = validations["write"]
+    wide = torch.zeros(3, 2, 32, dtype=torch.bfloat16, device=device)
+    write_kv(wide[:, :, :16], v, kc, vc, slots, scale, scale)            # strides
+    write_kv(k, v, kc, vc, slots.to(torch.int32), scale, scale)          # slot dtype
+    write_kv(k, v, kc, vc, slots, 0.5, 0.5)                              # host scale
+    write_kv(k, v, kc, vc, slots, 0.25, 0.5)                             # its value
+    write_kv(k, v, kc, vc, slots, torch.full((2,), 0.5, device=device), scale)  # per head
+    write_kv(k, v, kc, vc, slots, None, None)                            # no scale
+    write_kv(k, v, kc.transpose(1, 2), vc.transpose(1, 2), slots, scale, scale, layout="HND")
+    flat = torch.zeros(3 * 2 * 16 + 1, dtype=torch.bfloat16, device=device)
+    write_kv(flat[1:].view(3, 2, 16), v, kc, vc, slots, scale, scale)    # alignment
+    assert validations["write"] == before + 8
+
+
+def test_cached_launch_writes_the_tensors_of_each_call(device, validations):
+    scale = torch.tensor(0.75, device=device)
+    for seed in range(3):   # new inputs and new caches of one signature: one validation
+        k, v, kc, vc, slots = _write_inputs(device, seed=seed)
+        kc.fill_(0xAA)
+        write_kv(k, v, kc, vc, slots, scale, scale)
+        want = _expected_write(k, v, torch.full_like(kc, 0xAA), torch.zeros_like(vc), slots,
+                               scale, scale)
+        np.testing.assert_array_equal(bits(kc), want[0])
+        np.testing.assert_array_equal(bits(vc), want[1])
+    assert validations["write"] == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs in the GPU suite)")
+def test_another_device_revalidates(validations):
+    for device in ("cuda", "cpu", "cuda"):
+        write_kv(*_write_inputs(device), 0.5, 0.5)
+    assert validations["write"] == 2
+
+
+def test_a_bad_call_fails_the_same_on_every_call(device, validations):
+    k, v, kc, vc, slots = _write_inputs(device)
+    write_kv(k, v, kc, vc, slots)                                       # a good call, cached
+    messages = set()
+    for _ in range(100):
+        with pytest.raises(ValueError) as e:
+            write_kv(k, v, kc, vc, slots[:2])
+        messages.add(str(e.value))
+    assert messages == {"slots: expected shape [3] (one per token), got [2]"}
+    for _ in range(3):
+        with pytest.raises(TypeError, match=r"slots: expected dtype int32 or int64, got int16"):
+            write_kv(k, v, kc, vc, slots.to(torch.int16))
+        with pytest.raises(TypeError, match=r"slots: expected a torch.Tensor, got list"):
+            write_kv(k, v, kc, vc, [0, 3, 6])
+
+
+@pytest.mark.parametrize("allocating", [True, False], ids=["allocating", "out"])
+def test_dequantize_cache(device, validations, allocating):
+    cache = torch.randint(0, 0x7F, (6, 4, 2, 16), dtype=torch.uint8, device=device)
+    table = torch.tensor([[5, -1], [0, 2]], dtype=torch.int32, device=device)
+    want = ref.dequantize_pages(cache.cpu().numpy(), cache.cpu().numpy(), table.cpu().numpy(), 0.5,
+                                0.5, dtype="float32")
+    outs = None if allocating else tuple(torch.empty_like(torch.from_numpy(w)).to(device) for w in want)
+    for _ in range(3):
+        got = dequantize_pages(cache, cache, table, 0.5, 0.5, dtype=torch.float32, out=outs)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(bits(g), np.asarray(w).view(bits(g).dtype))
+        assert allocating or all(g is o for g, o in zip(got, outs))
+    assert validations["dequantize"] == 1
+    dequantize_pages(cache, cache, table[:1], 0.5, 0.5, dtype=torch.float32)        # shape
+    dequantize_pages(cache, cache, table, 0.5, 0.5, dtype=torch.bfloat16)           # dtype
+    dequantize_pages(cache, cache, table, 0.5, 0.5, dtype=torch.float32, null_page=0)  # option
+    kv = torch.stack([cache, cache], 1)
+    dequantize_pages_combined(kv, table, 0.5, 0.5, dtype=torch.float32)            # combined
+    assert validations["dequantize"] == 5
+    for _ in range(3):
+        with pytest.raises(ValueError, match=r"block_table: expected rank 2"):
+            dequantize_pages(cache, cache, table[0], 0.5, 0.5, dtype=torch.float32)
