@@ -50,6 +50,10 @@ class LaunchPlan:
     num_warps: int
     scalars: dict = field(default_factory=dict)
     constexprs: dict = field(default_factory=dict)
+    # Exactness must not depend on a compiler default (Triton fuses a*b+c into an FMA unless told
+    # otherwise, jax-triton passes True): every launch says it. The kernels' arithmetic that must
+    # round once per step is written with explicit fma / div_rn either way.
+    enable_fp_fusion: bool = False
 
     @property
     def empty(self) -> bool:

@@ -56,7 +56,8 @@ def _launch(kernel, plan, arrays: dict, aliased: tuple[str, ...] = ()):
     scalars = [np.float32(v) if isinstance(v, float) else int(v) for v in call.scalars]
     return jax_triton().triton_call(
         *call.inputs, *scalars, kernel=kernel, out_shape=list(call.outputs), grid=plan.grid,
-        num_warps=plan.num_warps, input_output_aliases=aliases, name=call.signature.kernel,
+        num_warps=plan.num_warps, enable_fp_fusion=plan.enable_fp_fusion,
+        input_output_aliases=aliases, name=call.signature.kernel,
         **call.constexprs)
 
 

@@ -109,11 +109,12 @@ def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, arrays
     call = bind(kernel, plan, arrays)
     runnable = ops.kernel_for(kernel, backend == INTERPRET)
     launch = runnable[plan.grid]
+    options = dict(num_warps=plan.num_warps, enable_fp_fusion=plan.enable_fp_fusion)
     if backend == CUDA and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
-            launch(*call.args, num_warps=plan.num_warps, **call.constexprs)
+            launch(*call.args, **options, **call.constexprs)
         return
-    launched = launch(*call.args, num_warps=plan.num_warps, **call.constexprs)
+    launched = launch(*call.args, **options, **call.constexprs)
     if ready_key is not None and (backend == INTERPRET or hasattr(launched, "__getitem__")):
         if len(_READY) >= _READY_LIMIT:
             _READY.clear()

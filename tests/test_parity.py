@@ -140,15 +140,15 @@ def test_dequantize_pages_combined_parity(case):
 # fp8kv_jax's GPU launch code, run on any machine: a stand-in for jax_triton.triton_call that checks
 # what jax-triton 0.3.1 requires and runs the kernel in Triton's interpreter (in torch's place).
 
-def _interpreted_triton_call(*args, kernel, out_shape, grid, num_warps, input_output_aliases, name,
-                             **constexprs):
+def _interpreted_triton_call(*args, kernel, out_shape, grid, num_warps, enable_fp_fusion,
+                             input_output_aliases, name, **constexprs):
     arrays = [a for a in args if isinstance(a, jax.Array)]
     scalars = args[len(arrays):]
     # jax-triton takes arrays, then scalars; it types Python ints by value and np.float32 as fp32
     # (a Python float would be fp64, a NumPy int an array).
     assert all(not isinstance(s, jax.Array) for s in scalars), "an array after a scalar"
     assert all(type(s) in (int, np.float32) for s in scalars), [type(s) for s in scalars]
-    assert name == kernel.fn.__name__
+    assert name == kernel.fn.__name__ and enable_fp_fusion is False
     for i, o in input_output_aliases.items():
         assert (arrays[i].shape, arrays[i].dtype) == (out_shape[o].shape, out_shape[o].dtype)
 

@@ -54,7 +54,8 @@ def compile_for_hopper(kernel, arrays: dict, plan, int_divisibility=True):
             signature[name] = POINTER_TYPES[value]
             attrs[(index,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, signature, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=HOPPER, options=dict(num_warps=plan.num_warps))
+    return triton.compile(src, target=HOPPER, options=dict(num_warps=plan.num_warps,
+                                                          enable_fp_fusion=plan.enable_fp_fusion))
 
 
 def write_arrays(x, cache, slots, scale):

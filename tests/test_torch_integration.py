@@ -271,3 +271,23 @@ def test_gpu_reciprocal_division_on_all_fp32_inputs(reciprocal_division, fmt, sc
         _launch.write_kv(x, x, fast, fast, slots, scale_t, scale_t, "NHD", fmt, exact=False)
         _launch.write_kv(x, x, exact, exact, slots, scale_t, scale_t, "NHD", fmt, exact=True)
         assert torch.equal(fast, exact), f"inputs {start:#x}..{start + n - 1:#x} differ"
+
+
+@requires_cuda
+@pytest.mark.parametrize("fusion", ["0", "1"])
+def test_bytes_do_not_depend_on_the_fp_fusion_default(fusion):
+    """The byte-exact write and dequantize suites (CUDA half) pass under either Triton default:
+    every launch sets ``enable_fp_fusion`` itself."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": fusion}
+    tests = Path(__file__).resolve().parent
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-k",
+         "cuda and not property", str(tests / "test_write.py"), str(tests / "test_dequantize.py")],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout.splitlines()[-1]
