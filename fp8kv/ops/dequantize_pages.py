@@ -68,7 +68,9 @@ def _dequantize_pages_kernel(
     PAGE_ELEMS: tl.constexpr = PAGE_SIZE * NUM_HEADS * HEAD_DIM
     j = chunk * BLOCK + tl.arange(0, BLOCK)
     in_page = j < PAGE_ELEMS
-    load_mask = in_page & valid
+    # Masks must be boolean blocks: a scalar `valid` broadcast into `in_page & valid` arrives in
+    # the interpreter as an integer block, which Triton 3.9's interpreter refuses as a mask.
+    load_mask = tl.where(valid, in_page, False)
     # Alignment promises from the plan (see write_kv): keep 16-byte accesses under jax-triton.
     kc_base = tl.multiple_of(page * stride_kc_page, IN_ALIGN)
     vc_base = tl.multiple_of(page * stride_vc_page + value_cache_offset, IN_ALIGN)
