@@ -26,6 +26,12 @@ def scale_arg(scale):
     return info(scale) if isinstance(scale, torch.Tensor) else scale
 
 
+def scale_cache_arg(scale_cache):
+    """A scale cache as the core sees it: None, ``"inline"`` (or any other object, which the
+    core rejects), or an ArrayInfo."""
+    return info(scale_cache) if isinstance(scale_cache, torch.Tensor) else scale_cache
+
+
 def _backend(t: torch.Tensor, name: str) -> str:
     if t.device.type == "cuda":
         return CUDA
@@ -93,7 +99,8 @@ def _scale_key(scale):
 
 
 def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
-             exact=None, launch=True):
+             exact=None, launch=True, key_scale_cache=None, value_scale_cache=None,
+             scale_rounding="exact"):
     """Validate, plan and launch one write. ``value_cache=None``: ``key_cache`` is combined.
 
     ``exact`` forces the exact (True) or hardware (False) conversions; ``launch=False`` only
@@ -105,22 +112,27 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
         ready_key = (_tensor_key(key), _tensor_key(value), _tensor_key(key_cache),
                      None if combined else _tensor_key(value_cache), _tensor_key(slots),
                      _scale_key(key_scale), _scale_key(value_scale), layout, fp8_format,
-                     key.device.index)
+                     key.device.index, _scale_key(key_scale_cache), _scale_key(value_scale_cache),
+                     scale_rounding)
         ready = _READY.get(ready_key)
         if ready is not None:
             ready(key.device.index, _write_operands(key, value, key_cache, value_cache, slots,
-                                                    key_scale, value_scale))
+                                                    key_scale, value_scale, key_scale_cache,
+                                                    value_scale_cache))
             return
     args = check_write(
         info(key), info(value), None if combined else info(key_cache),
         None if combined else info(value_cache), info(slots),
         scale_arg(key_scale), scale_arg(value_scale),
-        layout=layout, fp8_format=fp8_format, kv_cache=info(key_cache) if combined else None)
+        layout=layout, fp8_format=fp8_format, kv_cache=info(key_cache) if combined else None,
+        key_scale_cache=scale_cache_arg(key_scale_cache),
+        value_scale_cache=scale_cache_arg(value_scale_cache), scale_rounding=scale_rounding)
     backend = _backend(key, "key")
     plan = plan_write(args, backend, exact)
     if plan.empty or not launch:
         return
-    arrays = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale)
+    arrays = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale,
+                             key_scale_cache, value_scale_cache)
     call, compiled = _launch(ops._write_kv_kernel, plan, backend, key.device, arrays)
     if ready_key is not None:
         if len(_READY) >= _READY_LIMIT:
@@ -128,14 +140,18 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
         _READY[ready_key] = _ReadyLaunch(compiled, call, plan.grid)
 
 
-def _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale) -> dict:
+def _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale,
+                    key_scale_cache=None, value_scale_cache=None) -> dict:
     """The kernel's arrays by name. Each cache is an input and an output; a combined cache
-    (``value_cache`` None) is both caches, the plan's offset finding V in it."""
+    (``value_cache`` None) is both caches, the plan's offset finding V in it. A side scale array
+    takes the static scale's place as input and is also the scale output."""
     value_cache = key_cache if value_cache is None else value_cache
+    key_scale = _pointer_or(key_scale_cache, _pointer_or(key_scale, slots))
+    value_scale = _pointer_or(value_scale_cache, _pointer_or(value_scale, slots))
     return dict(key_ptr=key, value_ptr=value, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
-                slot_ptr=slots, key_scale_ptr=_pointer_or(key_scale, slots),
-                value_scale_ptr=_pointer_or(value_scale, slots), key_cache_out_ptr=key_cache,
-                value_cache_out_ptr=value_cache)
+                slot_ptr=slots, key_scale_ptr=key_scale, value_scale_ptr=value_scale,
+                key_cache_out_ptr=key_cache, value_cache_out_ptr=value_cache,
+                key_scale_out_ptr=key_scale, value_scale_out_ptr=value_scale)
 
 
 def _pointer_or(scale, placeholder):
@@ -144,17 +160,21 @@ def _pointer_or(scale, placeholder):
 
 
 def dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
-                    fp8_format, null_page):
+                    fp8_format, null_page, key_scale_cache=None, value_scale_cache=None,
+                    head_dim=None):
     combined = value_cache is None
     return check_dequantize(
         None if combined else info(key_cache), None if combined else info(value_cache),
         info(block_table), scale_arg(key_scale), scale_arg(value_scale),
         dtype=dtype, layout=layout, fp8_format=fp8_format, null_page=null_page,
-        kv_cache=info(key_cache) if combined else None)
+        kv_cache=info(key_cache) if combined else None,
+        key_scale_cache=scale_cache_arg(key_scale_cache),
+        value_scale_cache=scale_cache_arg(value_scale_cache), head_dim=head_dim)
 
 
 def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, layout, fp8_format,
-                     null_page, key_out, value_out, table_out, exact=None, launch=True, args=None):
+                     null_page, key_out, value_out, table_out, exact=None, launch=True, args=None,
+                     key_scale_cache=None, value_scale_cache=None, head_dim=None):
     """Validate, plan and launch one dequantize into preallocated outputs.
 
     ``value_cache=None``: ``key_cache`` is a combined cache; ``value_out=None``: ``key_out`` is a
@@ -164,7 +184,8 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     dtype = dtype_name(key_out.dtype)
     if args is None:
         args = dequantize_args(key_cache, value_cache, block_table, key_scale, value_scale, dtype,
-                               layout, fp8_format, null_page)
+                               layout, fp8_format, null_page, key_scale_cache, value_scale_cache,
+                               head_dim)
     device = str(key_cache.device)
     combined_out = value_out is None
     check_out(info(key_out), "out[0]", dequantized_shape(args, combined_out), dtype, device)
@@ -180,7 +201,9 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
         return
     value_cache = key_cache if value_cache is None else value_cache
     arrays = dict(key_cache_ptr=key_cache, value_cache_ptr=value_cache, table_ptr=block_table,
-                  key_scale_ptr=_pointer_or(key_scale, block_table),
-                  value_scale_ptr=_pointer_or(value_scale, block_table), key_out_ptr=key_out,
+                  key_scale_ptr=_pointer_or(key_scale_cache, _pointer_or(key_scale, block_table)),
+                  value_scale_ptr=_pointer_or(value_scale_cache,
+                                              _pointer_or(value_scale, block_table)),
+                  key_out_ptr=key_out,
                   value_out_ptr=key_out if combined_out else value_out, new_table_ptr=table_out)
     _launch(ops._dequantize_pages_kernel, plan, backend, key_cache.device, arrays)
