@@ -376,3 +376,94 @@ def test_gpu_cuda_graph_capture_with_scale_caches():
     for g, w in zip((t["key_cache"], t["value_cache"], t["key_scale_cache"],
                      t["value_scale_cache"]), want):
         np.testing.assert_array_equal(bits(g), as_uint(w))
+
+
+# ---------------------------------------------------------------------------------------------
+# JAX: the jnp path (CPU) and the GPU launch glue (interpreter stand-in) give the same bytes.
+
+PARITY_CASES = [CASES[i] for i in (0, 1, 2, 5, 7)]
+
+
+def _jax_write(case, x):
+    import fp8kv_jax
+    return fp8kv_jax.write_kv(x["key"], x["value"], x["key_cache"], x["value_cache"],
+                              x["slots"].astype(np.int32), layout=case.api_layout,
+                              fp8_format=case.fmt, key_scale_cache=x["key_scale_cache"],
+                              value_scale_cache=x["value_scale_cache"],
+                              scale_rounding=case.rounding)
+
+
+def _jax_dequantize(case, written, x):
+    import jax.numpy as jnp
+    import fp8kv_jax
+    ksc, vsc = ((x["key_scale_cache"], x["value_scale_cache"]) if case.pad
+                else (written[2], written[3]))
+    table = np.array([[1, -1, 0]], np.int32)
+    return fp8kv_jax.dequantize_pages(written[0], written[1], table, layout=case.api_layout,
+                                      fp8_format=case.fmt, key_scale_cache=ksc,
+                                      value_scale_cache=vsc,
+                                      head_dim=case.head_dim if case.pad else None,
+                                      dtype=jnp.float32), table, ksc, vsc
+
+
+def _check_jax(case, x):
+    want = ref_write(case, x)
+    got = _jax_write(case, x)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(as_uint(np.asarray(g)), as_uint(w))
+    (pages, table, ksc, vsc) = _jax_dequantize(case, [np.asarray(g) for g in got], x)
+    ref_ksc = ksc if isinstance(ksc, str) else np.asarray(ksc)
+    ref_vsc = vsc if isinstance(vsc, str) else np.asarray(vsc)
+    want = ref.dequantize_pages(want[0], want[1], table, layout=case.api_layout,
+                                fp8_format=case.fmt, key_scale_cache=ref_ksc,
+                                value_scale_cache=ref_vsc,
+                                head_dim=case.head_dim if case.pad else None, dtype="float32")
+    for g, w in zip(pages, want):
+        np.testing.assert_array_equal(as_uint(np.asarray(g)), as_uint(w))
+    return got
+
+
+@pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.id)
+def test_jax_jnp_and_torch_same_bytes(case):
+    jax = pytest.importorskip("jax")
+    x = inputs(case)
+    with jax.default_device(jax.devices("cpu")[0]):
+        got = _check_jax(case, x)
+    for g, t in zip(got, torch_write(case, x, "cpu")):
+        np.testing.assert_array_equal(as_uint(np.asarray(g)), t)
+
+
+@pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.id)
+def test_jax_gpu_launch_in_interpreter(case, monkeypatch):
+    jax = pytest.importorskip("jax")
+    import types
+
+    import fp8kv_jax._args
+    import fp8kv_jax._triton
+    from test_parity import _interpreted_triton_call
+    monkeypatch.setattr(fp8kv_jax._args, "use_triton", lambda arrays: True)
+    monkeypatch.setattr(fp8kv_jax._triton, "jax_triton",
+                        lambda: types.SimpleNamespace(triton_call=_interpreted_triton_call))
+    x = inputs(case)
+    with jax.default_device(jax.devices("cpu")[0]):
+        _check_jax(case, x)
+
+
+def test_jax_donated_scale_caches_under_jit():
+    jax = pytest.importorskip("jax")
+    import functools
+
+    import fp8kv_jax
+    case = DynCase(tokens=4, heads=2, head_dim=40, page_size=4, granularity="token")
+    x = inputs(case)
+    want = ref_write(case, x)
+    step = jax.jit(functools.partial(fp8kv_jax.write_kv, scale_rounding="exact"),
+                   donate_argnames=("key_cache", "value_cache", "key_scale_cache",
+                                    "value_scale_cache"))
+    with jax.default_device(jax.devices("cpu")[0]):
+        got = step(x["key"], x["value"], x["key_cache"], x["value_cache"],
+                   x["slots"].astype(np.int32), key_scale_cache=x["key_scale_cache"],
+                   value_scale_cache=x["value_scale_cache"])
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(as_uint(np.asarray(g)), as_uint(w))
