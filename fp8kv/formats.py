@@ -5,6 +5,7 @@ Dtypes are passed around by name (``"bfloat16"``, ``"float8_e4m3fn"`` ...), the 
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 
@@ -52,3 +53,7 @@ SLOT_DTYPES = ("int32", "int64")
 # Dequantized NaNs are written as one canonical quiet NaN per output dtype, so that the GPU
 # (whose multiply returns 0x7FFFFFFF), the interpreter and XLA all give the same bits.
 CANONICAL_NAN_BITS = {"bfloat16": 0x7FC0, "float16": 0x7E00, "float32": 0x7FC00000}
+
+# Dynamic scales (docs/SPEC.md, "Dynamic scales"): the smallest scale, 1e-6 rounded to fp32. Every
+# path takes it from here, as this exact fp32 value.
+DYNAMIC_SCALE_FLOOR = struct.unpack("<f", struct.pack("<f", 1e-6))[0]

@@ -90,3 +90,53 @@ def pages_shape(cache: PagedCache, layout: str, rank: int, num_entries: int,
     else:
         page = (cache.num_heads, cache.page_size, cache.head_dim)
     return (num_entries, 2) + page if combined else (num_entries,) + page
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic scales: where each written token's scale lives.
+
+INLINE_PADS = (4, 16)  # bytes after each head's data in an inline cache: the fp32 scale (+ zeros)
+
+
+@dataclass(frozen=True)
+class ScaleCache:
+    """A side scale array seen as ``[num_pages, page_size, num_heads or 1]`` + strides (elements).
+
+    ``per_head`` False: one scale per token (``stride_head`` 0).
+    """
+
+    per_head: bool
+    stride_page: int
+    stride_slot: int
+    stride_head: int
+
+
+def scale_cache_shapes(cache: PagedCache, layout: str, rank: int) -> dict:
+    """The side scale array shapes a ``rank`` 3/4 cache accepts: ``{"token_head": ..., "token": ...}``."""
+    if rank == 3:
+        return {"token_head": (cache.num_pages, cache.num_heads), "token": (cache.num_pages,)}
+    if layout == "NHD":
+        per_head = (cache.num_pages, cache.page_size, cache.num_heads)
+    else:
+        per_head = (cache.num_pages, cache.num_heads, cache.page_size)
+    return {"token_head": per_head, "token": (cache.num_pages, cache.page_size)}
+
+
+def scale_cache(info: ArrayInfo, layout: str, rank: int) -> ScaleCache:
+    """Geometry of a side scale array whose shape was checked against :func:`scale_cache_shapes`."""
+    st = info.strides
+    if info.ndim == rank - 1:        # per token-head
+        if rank == 3:
+            return ScaleCache(True, st[0], 0, st[1])
+        if layout == "NHD":
+            return ScaleCache(True, st[0], st[1], st[2])
+        return ScaleCache(True, st[0], st[2], st[1])
+    if rank == 3:                    # per token
+        return ScaleCache(False, st[0], 0, 0)
+    return ScaleCache(False, st[0], st[1], 0)
+
+
+def inline_data(cache: PagedCache, head_dim: int) -> PagedCache:
+    """An inline-scale cache as pages of its data: rows of ``head_dim`` codes, the scale after."""
+    return PagedCache(cache.num_pages, cache.page_size, cache.num_heads, head_dim,
+                      cache.stride_page, cache.stride_slot, cache.stride_head, cache.offset)

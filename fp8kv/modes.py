@@ -15,6 +15,14 @@ class ScaleMode(enum.IntEnum):
     VALUE = 1    # a host float, passed as an fp32 scalar argument
     TENSOR = 2   # a device fp32 scalar ([] or [1]), read by the kernel
     HEAD = 3     # a device fp32 vector, one scale per kv head
+    # Dynamic scales (docs/SPEC.md, "Dynamic scales"): computed by write_kv from the new tokens
+    # and stored per slot; dequantize_pages reads them back. Every mode from TOKEN on is dynamic.
+    TOKEN = 4        # one scale per token (over all its kv heads)
+    TOKEN_HEAD = 5   # one scale per token and kv head (side array or inline in the cache rows)
+
+    @property
+    def dynamic(self) -> bool:
+        return self >= ScaleMode.TOKEN
 
 
 class OutKind(enum.IntEnum):

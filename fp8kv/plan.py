@@ -73,6 +73,14 @@ def pow2_divisor(*values: int, cap: int = 16) -> int:
     return align
 
 
+def _scale_strides(prefix: str, sc) -> dict:
+    """A side scale array's strides as scalars (all 0 without one: never read)."""
+    if sc is None:
+        return {f"stride_{prefix}_page": 0, f"stride_{prefix}_slot": 0, f"stride_{prefix}_head": 0}
+    return {f"stride_{prefix}_page": sc.stride_page, f"stride_{prefix}_slot": sc.stride_slot,
+            f"stride_{prefix}_head": sc.stride_head}
+
+
 def _exact(backend: str, exact: bool | None) -> bool:
     """The interpreter must take the exact conversions (its own fp8/bf16 casts are wrong)."""
     return backend == INTERPRET if exact is None else exact
@@ -97,10 +105,15 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
         stride_kc_page=kc.stride_page, stride_kc_slot=kc.stride_slot, stride_kc_head=kc.stride_head,
         stride_vc_page=vc.stride_page, stride_vc_slot=vc.stride_slot, stride_vc_head=vc.stride_head,
         value_cache_offset=vc.offset,
-        key_scale_value=float(args.key_scale_value), value_scale_value=float(args.value_scale_value))
+        key_scale_value=float(args.key_scale_value), value_scale_value=float(args.value_scale_value),
+        **_scale_strides("ksc", args.key_scale_cache), **_scale_strides("vsc", args.value_scale_cache))
     constexprs = dict(
         NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
         BLOCK_T=block_t, BLOCK_HD=block_hd,
+        # Dynamic scales: sides whose mode is dynamic go head by head in BLOCK_D columns (a
+        # whole head per tile: its amax is one row reduction).
+        BLOCK_D=triton.next_power_of_2(max(kc.head_dim, 1)), INLINE_PAD=args.inline_pad,
+        SCALE_POW2=args.scale_pow2,
         K_SCALE_MODE=int(args.key_scale_mode), V_SCALE_MODE=int(args.value_scale_mode),
         E5M2=args.fmt.name == "e5m2", EXACT=_exact(backend, exact),
         KEY_PACKED=key.strides[1] == kc.head_dim or kc.num_heads == 1,
@@ -141,10 +154,12 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
         stride_ko_page=ko.stride_page, stride_ko_slot=ko.stride_slot, stride_ko_head=ko.stride_head,
         stride_vo_page=vo.stride_page, stride_vo_slot=vo.stride_slot, stride_vo_head=vo.stride_head,
         value_out_offset=vo.offset,
-        key_scale_value=float(args.key_scale_value), value_scale_value=float(args.value_scale_value))
+        key_scale_value=float(args.key_scale_value), value_scale_value=float(args.value_scale_value),
+        **_scale_strides("ksc", args.key_scale_cache), **_scale_strides("vsc", args.value_scale_cache))
     constexprs = dict(
         NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
         HND=args.layout == "HND" and args.cache_rank == 4, BLOCK=block,
+        INLINE_PAD=args.inline_pad,
         K_SCALE_MODE=int(args.key_scale_mode), V_SCALE_MODE=int(args.value_scale_mode),
         E5M2=args.fmt.name == "e5m2", OUT_KIND=int(OUT_KIND_OF_DTYPE[args.out_dtype]),
         EXACT=_exact(backend, exact), HAS_NULL_PAGE=args.null_page is not None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .formats import CANONICAL_NAN_BITS, FORMAT_OF_DTYPE, FORMATS, Fp8Format
+from .formats import CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, FORMAT_OF_DTYPE, FORMATS, Fp8Format
 
 _NP_DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -67,7 +67,7 @@ INLINE = "inline"
 # Bytes after each head's data in an inline cache: the fp32 scale alone (+4), or the scale and
 # 12 zero bytes, which keeps every head row a multiple of 16 bytes when head_dim is (+16).
 INLINE_PADS = (4, 16)
-SCALE_FLOOR = np.float32(1e-6)  # the smallest dynamic scale (before pow2 rounding)
+SCALE_FLOOR = np.float32(DYNAMIC_SCALE_FLOOR)  # 1e-6 in fp32: the smallest dynamic scale (before pow2 rounding)
 
 
 def _as_format(fmt) -> Fp8Format:

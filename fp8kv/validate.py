@@ -12,7 +12,9 @@ from numbers import Real
 from .arrays import ArrayInfo, fmt_shape
 from .formats import (CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, INPUT_DTYPES, OUTPUT_DTYPES,
                       SLOT_DTYPES, Fp8Format)
-from .layout import LAYOUTS, PagedCache, combined_halves, expected_cache_shape, paged, pages_shape
+from .layout import (INLINE_PADS, LAYOUTS, PagedCache, ScaleCache, combined_halves,
+                     expected_cache_shape, inline_data, paged, pages_shape,
+                     scale_cache as scale_cache_geometry, scale_cache_shapes)
 from .modes import ScaleMode
 
 FP32_MIN_NORMAL = 2.0 ** -126
@@ -134,6 +136,95 @@ def check_scale(scale, name: str, num_heads: int, device: str):
     return ScaleMode.VALUE, value
 
 
+INLINE = "inline"
+SCALE_ROUNDINGS = ("exact", "pow2")
+
+
+def check_scale_cache_arg(scale_cache, name: str):
+    """None, ``"inline"`` or an :class:`ArrayInfo` (a frontend's array); anything else raises."""
+    if isinstance(scale_cache, str):
+        if scale_cache != INLINE:
+            raise ValueError(f"{name}: expected None, 'inline' or a float32 array, got "
+                             f"{scale_cache!r}")
+        return scale_cache
+    if scale_cache is not None and not isinstance(scale_cache, ArrayInfo):
+        raise TypeError(f"{name}: expected None, 'inline' or a float32 array, got "
+                        f"{type(scale_cache).__name__}")
+    return scale_cache
+
+
+def check_scale_rounding(scale_rounding) -> bool:
+    """``True`` for ``"pow2"``, ``False`` for ``"exact"``."""
+    if not isinstance(scale_rounding, str) or scale_rounding not in SCALE_ROUNDINGS:
+        raise ValueError(f"scale_rounding: expected 'exact' or 'pow2', got {scale_rounding!r}")
+    return scale_rounding == "pow2"
+
+
+def check_inline(key_scale_cache, value_scale_cache, kc: PagedCache, vc: PagedCache,
+                 head_dim, cache_name: str):
+    """Both or neither inline; with inline, the caches as pages of their ``head_dim`` data
+    columns and the pad (4 or 16). Returns ``(kc, vc, pad)``."""
+    k_inline, v_inline = key_scale_cache == INLINE, value_scale_cache == INLINE
+    if k_inline != v_inline:
+        given, other = (("value_scale_cache", value_scale_cache) if k_inline
+                        else ("key_scale_cache", key_scale_cache))
+        raise ValueError(f"{given}: expected 'inline' like the other side's scale cache (K and V "
+                         f"caches share one shape), got "
+                         f"{other if other is None or isinstance(other, str) else 'an array'}")
+    if not k_inline:
+        return kc, vc, 0
+    width = kc.head_dim
+    pad = width - head_dim
+    if pad not in INLINE_PADS:
+        raise ValueError(f"{cache_name}: expected a last dimension of head_dim + 4 "
+                         f"({head_dim + 4}) or head_dim + 16 ({head_dim + 16}) for an inline "
+                         f"scale cache, got {width}")
+    return inline_data(kc, head_dim), inline_data(vc, head_dim), pad
+
+
+def check_scale_cache(scale_cache, name: str, scale, scale_name: str, cache: PagedCache,
+                      layout: str, rank: int, device: str):
+    """``(mode, geometry)`` of one side's dynamic scales; ``(None, None)`` without them."""
+    if scale_cache is None:
+        return None, None
+    if scale is not None:
+        raise ValueError(f"{scale_name}: expected None when {name} is given (the scales are then "
+                         f"dynamic), got {type(scale).__name__}")
+    if scale_cache == INLINE:
+        return ScaleMode.TOKEN_HEAD, None
+    if scale_cache.dtype != "float32":
+        raise TypeError(f"{name}: expected dtype float32, got {scale_cache.dtype}")
+    shapes = scale_cache_shapes(cache, layout, rank)
+    if scale_cache.shape not in shapes.values():
+        raise ValueError(f"{name}: expected shape {fmt_shape(shapes['token_head'])} (per token-head) "
+                         f"or {fmt_shape(shapes['token'])} (per token) for a {layout} cache of rank "
+                         f"{rank}, got {fmt_shape(scale_cache.shape)}")
+    if scale_cache.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of the cache), got "
+                         f"{scale_cache.device}")
+    if any(s < 0 for s in scale_cache.strides):
+        raise ValueError(f"{name}: expected non-negative strides, got "
+                         f"{fmt_shape(scale_cache.strides)}")
+    geometry = scale_cache_geometry(scale_cache, layout, rank)
+    return (ScaleMode.TOKEN_HEAD if geometry.per_head else ScaleMode.TOKEN), geometry
+
+
+def _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc, layout, rank,
+                 device, num_heads):
+    """Both sides' ``(mode, host value, side geometry)``, static or dynamic."""
+    sides = []
+    for side, scale, sc, cache in (("key", key_scale, key_scale_cache, kc),
+                                   ("value", value_scale, value_scale_cache, vc)):
+        mode, geometry = check_scale_cache(sc, f"{side}_scale_cache", scale, f"{side}_scale",
+                                           cache, layout, rank, device)
+        if mode is None:
+            mode, value = check_scale(scale, f"{side}_scale", num_heads, device)
+        else:
+            value = 1.0
+        sides.append((mode, value, geometry))
+    return sides
+
+
 @dataclass(frozen=True)
 class WriteArgs:
     num_tokens: int
@@ -148,10 +239,18 @@ class WriteArgs:
     value_scale_value: float
     layout: str
     combined: bool  # one [num_pages, 2, ...] cache: the K and the V operand, V at its offset
+    # Dynamic scales: side arrays' geometry (None: static or inline), the inline pad (0: none;
+    # then both sides are inline and key_cache/value_cache describe the data columns only), and
+    # the rounding of the scales.
+    key_scale_cache: ScaleCache | None = None
+    value_scale_cache: ScaleCache | None = None
+    inline_pad: int = 0
+    scale_pow2: bool = False
 
 
 def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scale, *, layout,
-                fp8_format, kv_cache=None) -> WriteArgs:
+                fp8_format, kv_cache=None, key_scale_cache=None, value_scale_cache=None,
+                scale_rounding="exact") -> WriteArgs:
     """Validate ``write_kv`` (or, with ``kv_cache``, ``write_kv_combined``) arguments."""
     layout = check_layout(layout)
     device = check_same_device({"key": key, "value": value, **_named_caches(key_cache, value_cache,
@@ -167,9 +266,13 @@ def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scal
                          f"{fmt_shape(value.shape)}")
     if value.dtype != key.dtype:
         raise TypeError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
-    kc, vc, fmt, _ = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format)
+    kc, vc, fmt, rank = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format)
     cache_name = "kv_cache" if kv_cache is not None else "key_cache"
     num_tokens, num_heads, head_dim = key.shape
+    key_scale_cache = check_scale_cache_arg(key_scale_cache, "key_scale_cache")
+    value_scale_cache = check_scale_cache_arg(value_scale_cache, "value_scale_cache")
+    pow2 = check_scale_rounding(scale_rounding)
+    kc, vc, pad = check_inline(key_scale_cache, value_scale_cache, kc, vc, head_dim, cache_name)
     if (kc.num_heads, kc.head_dim) != (num_heads, head_dim):
         other = "HND" if layout == "NHD" else "NHD"
         hint = ""
@@ -183,10 +286,11 @@ def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scal
         raise ValueError(f"slots: expected shape [{num_tokens}] (one per token), got "
                          f"{fmt_shape(slots.shape)}")
     check_contiguous(slots, "slots")
-    ks_mode, ks_value = check_scale(key_scale, "key_scale", num_heads, device)
-    vs_mode, vs_value = check_scale(value_scale, "value_scale", num_heads, device)
+    (ks_mode, ks_value, ksc), (vs_mode, vs_value, vsc) = _side_scales(
+        key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc, layout, rank, device,
+        num_heads)
     return WriteArgs(num_tokens, key, value, kc, vc, fmt, ks_mode, ks_value, vs_mode, vs_value,
-                     layout, kv_cache is not None)
+                     layout, kv_cache is not None, ksc, vsc, pad, pow2)
 
 
 @dataclass(frozen=True)
@@ -205,14 +309,31 @@ class DequantArgs:
     key_scale_value: float
     value_scale_mode: ScaleMode
     value_scale_value: float
+    key_scale_cache: ScaleCache | None = None      # as in WriteArgs
+    value_scale_cache: ScaleCache | None = None
+    inline_pad: int = 0
 
 
 def check_dequantize(key_cache, value_cache, block_table, key_scale, value_scale, *, dtype, layout,
-                     fp8_format, null_page, kv_cache=None) -> DequantArgs:
+                     fp8_format, null_page, kv_cache=None, key_scale_cache=None,
+                     value_scale_cache=None, head_dim=None) -> DequantArgs:
     layout = check_layout(layout)
     device = check_same_device({**_named_caches(key_cache, value_cache, kv_cache),
                                 "block_table": block_table})
     kc, vc, fmt, rank = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format)
+    cache_name = "kv_cache" if kv_cache is not None else "key_cache"
+    key_scale_cache = check_scale_cache_arg(key_scale_cache, "key_scale_cache")
+    value_scale_cache = check_scale_cache_arg(value_scale_cache, "value_scale_cache")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
+        raise TypeError(f"head_dim: expected None or an int, got {type(head_dim).__name__}")
+    if key_scale_cache == INLINE or value_scale_cache == INLINE:
+        if head_dim is None:
+            raise ValueError("head_dim: expected an int with an inline scale cache (the last "
+                             "dimension is head_dim + 4 or head_dim + 16), got None")
+    elif head_dim is not None and head_dim != kc.head_dim:
+        raise ValueError(f"head_dim: expected the last dimension of {cache_name} ({kc.head_dim}) "
+                         f"without an inline scale cache, got {head_dim}")
+    kc, vc, pad = check_inline(key_scale_cache, value_scale_cache, kc, vc, head_dim, cache_name)
     if dtype not in OUTPUT_DTYPES:
         raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
     check_dtype(block_table, "block_table", ("int32", "int64"))
@@ -221,11 +342,12 @@ def check_dequantize(key_cache, value_cache, block_table, key_scale, value_scale
                          f"{fmt_shape(block_table.shape)}")
     if null_page is not None and (isinstance(null_page, bool) or not isinstance(null_page, int)):
         raise TypeError(f"null_page: expected None or an int, got {type(null_page).__name__}")
-    ks_mode, ks_value = check_scale(key_scale, "key_scale", kc.num_heads, device)
-    vs_mode, vs_value = check_scale(value_scale, "value_scale", kc.num_heads, device)
+    (ks_mode, ks_value, ksc), (vs_mode, vs_value, vsc) = _side_scales(
+        key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc, layout, rank, device,
+        kc.num_heads)
     batch, pages_per_seq = block_table.shape
     return DequantArgs(batch, pages_per_seq, block_table, kc, vc, fmt, dtype, layout, rank, null_page,
-                       ks_mode, ks_value, vs_mode, vs_value)
+                       ks_mode, ks_value, vs_mode, vs_value, ksc, vsc, pad)
 
 
 def dequantized_shape(args: DequantArgs, combined: bool) -> tuple[int, ...]:

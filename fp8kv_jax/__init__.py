@@ -27,29 +27,40 @@ from jax.typing import DTypeLike
 from fp8kv.validate import dequantized_shape
 
 from . import _args, _jnp, _triton
-from ._args import as_array, as_caches, as_scale, device_scale
+from ._args import as_array, as_caches, as_scale, as_scale_cache, device_scale, side_array
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
 
 Scale = Union[float, jax.Array, None]
+ScaleCache = Union[jax.Array, str, None]
 
 
-def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format):
+def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
+           key_scale_cache=None, value_scale_cache=None, scale_rounding="exact"):
+    """The new caches, then the new side scale arrays (None for a side without one) if any."""
     caches = as_caches(caches)
     key, value, slots = as_array(key, "key"), as_array(value, "value"), as_array(slots, "slots")
     key_scale, value_scale = as_scale(key_scale, "key_scale"), as_scale(value_scale, "value_scale")
-    args = _args.write_args(key, value, caches, slots, key_scale, value_scale, layout, fp8_format)
+    key_scale_cache = as_scale_cache(key_scale_cache, "key_scale_cache")
+    value_scale_cache = as_scale_cache(value_scale_cache, "value_scale_cache")
+    args = _args.write_args(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
+                            key_scale_cache, value_scale_cache, scale_rounding)
+    sides = (side_array(key_scale_cache), side_array(value_scale_cache))
+    tail = () if sides == (None, None) else sides
     if args.num_tokens == 0:  # nothing to write: no launch
-        return caches
-    impl = _triton if _args.use_triton((key, value, *caches, slots)) else _jnp
+        return caches + tail
+    impl = _triton if _args.use_triton((key, value, *caches, slots, *sides)) else _jnp
     out = impl.write_kv(key, value, caches[0], None if args.combined else caches[1], slots,
-                        device_scale(key_scale), device_scale(value_scale), args=args)
-    return (out,) if args.combined else out
+                        device_scale(key_scale), device_scale(value_scale), *sides, args=args)
+    # out: (key_cache, value_cache) or (kv_cache,), then the two side arrays (or None)
+    return tuple(out[:-2]) + (tuple(out[-2:]) if tail else ())
 
 
 def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
              slots: jax.Array, key_scale: Scale = None, value_scale: Scale = None, *,
-             layout: str = "NHD", fp8_format: str | None = None) -> tuple[jax.Array, jax.Array]:
+             layout: str = "NHD", fp8_format: str | None = None,
+             key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
+             scale_rounding: str = "exact") -> tuple:
     """Quantize ``key``/``value`` to FP8 and write them into a paged cache, in one launch.
 
     Parameters
@@ -73,11 +84,29 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
     layout : {"NHD", "HND"}
     fp8_format : {None, "e4m3", "e5m2"}
         Format of a ``uint8`` cache (default ``"e4m3"``); must match a typed cache if given.
+    key_scale_cache, value_scale_cache : None, jax.Array or "inline"
+        Dynamic scales (K and V independent; that side's ``key_scale``/``value_scale`` must then
+        be None): each written token gets its scale from its own values, ``s = max(amax / fmax,
+        1e-6)`` (docs/SPEC.md, "Dynamic scales"), stored at its slot. A float32 array whose shape
+        gives the granularity:
+
+        * per token-head: ``[num_pages, page_size, num_kv_heads]`` (NHD),
+          ``[num_pages, num_kv_heads, page_size]`` (HND), ``[num_slots, num_kv_heads]`` (rank 3);
+        * per token: ``[num_pages, page_size]``, ``[num_slots]`` (rank 3).
+
+        ``"inline"`` (both sides, per token-head): the caches' last dimension is ``head_dim + 4``
+        or ``head_dim + 16``; each head row holds its codes, then the fp32 scale (little-endian),
+        then zeros.
+    scale_rounding : {"exact", "pow2"}
+        ``"pow2"`` rounds each dynamic scale up to a power of two.
 
     Returns
     -------
     key_cache, value_cache : jax.Array
         The caches with the tokens written; every byte that no written slot names is unchanged.
+    key_scale_cache, value_scale_cache : jax.Array or None
+        Only when a side scale array is given (for K or V): the arrays with the written tokens'
+        scales (None for a side without a side array). Donate them like the caches.
 
     Note
     ----
@@ -98,12 +127,13 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
     [2.0, -4.0, 448.0, 0.625]
     """
     return _write(key, value, (key_cache, value_cache), slots, key_scale, value_scale, layout,
-                  fp8_format)
+                  fp8_format, key_scale_cache, value_scale_cache, scale_rounding)
 
 
 def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slots: jax.Array,
                       key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
-                      fp8_format: str | None = None) -> jax.Array:
+                      fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
+                      value_scale_cache: ScaleCache = None, scale_rounding: str = "exact"):
     """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
 
     Parameters
@@ -113,12 +143,14 @@ def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slo
         ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
         ``[num_slots, 2, num_kv_heads, head_dim]``; index 0 of dim 1 is K, index 1 is V.
 
-    Other parameters are those of :func:`write_kv`.
+    Other parameters are those of :func:`write_kv`; side scale arrays are shaped as for one
+    half of ``kv_cache`` (separate K and V arrays).
 
     Returns
     -------
     kv_cache : jax.Array
-        The cache with the tokens written.
+        The cache with the tokens written; with a side scale array,
+        ``(kv_cache, key_scale_cache, value_scale_cache)`` as in :func:`write_kv`.
 
     Note
     ----
@@ -134,33 +166,39 @@ def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slo
     >>> kv[1, :, 2, 0].tolist()
     [[56, 56, 56, 56], [184, 184, 184, 184]]
     """
-    (kv_cache,) = _write(key, value, (kv_cache,), slots, key_scale, value_scale, layout,
-                         fp8_format)
-    return kv_cache
+    out = _write(key, value, (kv_cache,), slots, key_scale, value_scale, layout, fp8_format,
+                 key_scale_cache, value_scale_cache, scale_rounding)
+    return out[0] if len(out) == 1 else out
 
 
-def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format, null_page):
+def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format, null_page,
+                key_scale_cache=None, value_scale_cache=None, head_dim=None):
     caches = as_caches(caches)
     block_table = as_array(block_table, "block_table")
     key_scale, value_scale = as_scale(key_scale, "key_scale"), as_scale(value_scale, "value_scale")
+    key_scale_cache = as_scale_cache(key_scale_cache, "key_scale_cache")
+    value_scale_cache = as_scale_cache(value_scale_cache, "value_scale_cache")
     args = _args.dequantize_args(caches, block_table, key_scale, value_scale,
-                                 _args.dtype_name(dtype), layout, fp8_format, null_page)
+                                 _args.dtype_name(dtype), layout, fp8_format, null_page,
+                                 key_scale_cache, value_scale_cache, head_dim)
     combined = len(caches) == 1
     if args.batch * args.pages_per_seq == 0:  # no pages to read: no launch
         shape = dequantized_shape(args, combined)
         pages = (jnp.zeros(shape, args.out_dtype),) * (1 if combined else 2)
         return (*pages, jnp.zeros((args.batch, args.pages_per_seq), jnp.int32))
-    impl = _triton if _args.use_triton((*caches, block_table)) else _jnp
+    sides = (side_array(key_scale_cache), side_array(value_scale_cache))
+    impl = _triton if _args.use_triton((*caches, block_table, *sides)) else _jnp
     return impl.dequantize_pages(caches[0], None if combined else caches[1], block_table,
-                                 device_scale(key_scale), device_scale(value_scale), args=args,
-                                 combined=combined)
+                                 device_scale(key_scale), device_scale(value_scale), *sides,
+                                 args=args, combined=combined)
 
 
 def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: jax.Array,
                      key_scale: Scale = None, value_scale: Scale = None, *,
                      dtype: DTypeLike = jnp.bfloat16, layout: str = "NHD",
-                     fp8_format: str | None = None, null_page: int | None = None
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     fp8_format: str | None = None, null_page: int | None = None,
+                     key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
+                     head_dim: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dequantize the pages a block table names into a compact paged cache + renumbered table.
 
     Parameters
@@ -182,6 +220,13 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
     fp8_format : {None, "e4m3", "e5m2"}
     null_page : int, optional
         A page id that also means padding (vLLM's null block is 0).
+    key_scale_cache, value_scale_cache : None, jax.Array or "inline"
+        Dynamic scales as written by :func:`write_kv` (shapes there), read per slot instead of a
+        static scale (that side's ``key_scale``/``value_scale`` must be None).
+    head_dim : int, optional
+        Required with ``"inline"`` (the caches' last dimension is ``head_dim + 4`` or
+        ``head_dim + 16``); the pages then hold ``head_dim`` columns. Otherwise, if given, it must
+        equal the caches' last dimension.
 
     Returns
     -------
@@ -207,13 +252,15 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
     ([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], [[0, 1]])
     """
     return _dequantize((key_cache, value_cache), block_table, key_scale, value_scale, dtype,
-                       layout, fp8_format, null_page)
+                       layout, fp8_format, null_page, key_scale_cache, value_scale_cache, head_dim)
 
 
 def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_scale: Scale = None,
                               value_scale: Scale = None, *, dtype: DTypeLike = jnp.bfloat16,
                               layout: str = "NHD", fp8_format: str | None = None,
-                              null_page: int | None = None) -> tuple[jax.Array, jax.Array]:
+                              null_page: int | None = None, key_scale_cache: ScaleCache = None,
+                              value_scale_cache: ScaleCache = None,
+                              head_dim: int | None = None) -> tuple[jax.Array, jax.Array]:
     """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
 
     Parameters
@@ -223,7 +270,8 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
         ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
         ``[num_slots, 2, num_kv_heads, head_dim]``; K at index 0 of dim 1, V at index 1.
 
-    Other parameters are those of :func:`dequantize_pages`.
+    Other parameters are those of :func:`dequantize_pages` (side scale arrays shaped as for one
+    half of ``kv_cache``).
 
     Returns
     -------
@@ -247,4 +295,4 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
     ((1, 2, 1, 1, 2), [-1.0, -1.0])
     """
     return _dequantize((kv_cache,), block_table, key_scale, value_scale, dtype, layout,
-                       fp8_format, null_page)
+                       fp8_format, null_page, key_scale_cache, value_scale_cache, head_dim)

@@ -37,6 +37,20 @@ def as_scale(scale, name: str):
     return as_array(scale, name) if isinstance(scale, np.ndarray) else scale
 
 
+def as_scale_cache(scale_cache, name: str):
+    """A scale cache as given, a NumPy array made a JAX array (the core checks the rest)."""
+    return as_array(scale_cache, name) if isinstance(scale_cache, np.ndarray) else scale_cache
+
+
+def side_array(scale_cache):
+    """The side scale array the kernel writes or reads, or None (no dynamic scales, inline)."""
+    return scale_cache if isinstance(scale_cache, jax.Array) else None
+
+
+def scale_cache_arg(scale_cache):
+    return info(scale_cache) if isinstance(scale_cache, jax.Array) else scale_cache
+
+
 def device_scale(scale):
     """The scale array the kernel reads, or None for a host float (a plan scalar) or no scale."""
     return scale if isinstance(scale, jax.Array) else None
@@ -59,25 +73,30 @@ def dtype_name(dtype) -> str:
                         f"{dtype!r}") from None
 
 
-def write_args(key, value, caches, slots, key_scale, value_scale, layout, fp8_format):
+def write_args(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
+               key_scale_cache=None, value_scale_cache=None, scale_rounding="exact"):
     """``check_write`` on ``caches`` = ``(key_cache, value_cache)`` or ``(kv_cache,)``."""
     combined = len(caches) == 1
     return check_write(
         info(key), info(value), None if combined else info(caches[0]),
         None if combined else info(caches[1]), info(slots), scale_arg(key_scale),
         scale_arg(value_scale), layout=layout, fp8_format=fp8_format,
-        kv_cache=info(caches[0]) if combined else None)
+        kv_cache=info(caches[0]) if combined else None,
+        key_scale_cache=scale_cache_arg(key_scale_cache),
+        value_scale_cache=scale_cache_arg(value_scale_cache), scale_rounding=scale_rounding)
 
 
 def dequantize_args(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
-                    null_page):
+                    null_page, key_scale_cache=None, value_scale_cache=None, head_dim=None):
     """``check_dequantize`` on ``caches`` = ``(key_cache, value_cache)`` or ``(kv_cache,)``."""
     combined = len(caches) == 1
     return check_dequantize(
         None if combined else info(caches[0]), None if combined else info(caches[1]),
         info(block_table), scale_arg(key_scale), scale_arg(value_scale), dtype=dtype,
         layout=layout, fp8_format=fp8_format, null_page=null_page,
-        kv_cache=info(caches[0]) if combined else None)
+        kv_cache=info(caches[0]) if combined else None,
+        key_scale_cache=scale_cache_arg(key_scale_cache),
+        value_scale_cache=scale_cache_arg(value_scale_cache), head_dim=head_dim)
 
 
 def _is_cuda(device) -> bool:

@@ -12,15 +12,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8kv.formats import CANONICAL_NAN_BITS
+from fp8kv.formats import CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR
 from fp8kv.modes import ScaleMode
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 def _scale(array, mode: int, value: float, trailing: int):
-    """The scale, shaped to broadcast against ``[..., num_kv_heads, *trailing dims]`` (or None)."""
-    if mode == ScaleMode.NONE:
+    """The scale, shaped to broadcast against ``[..., num_kv_heads, *trailing dims]`` (or None).
+
+    Dynamic modes give None here; their scales come from :func:`_stored_scales`."""
+    if mode == ScaleMode.NONE or mode >= ScaleMode.TOKEN:
         return None
     if mode == ScaleMode.VALUE:
         return jnp.float32(value)
@@ -79,18 +81,70 @@ def _scatter(cache, index, codes):
     return lax.bitcast_convert_type(raw.at[index].set(codes, mode="drop"), cache.dtype)
 
 
+def _dynamic_scales(x, fmt, per_head: bool, pow2: bool):
+    """As :func:`fp8kv.reference.dynamic_scales`: ``[T, H]`` (per head) or ``[T]`` fp32."""
+    a = jnp.abs(x.astype(jnp.float32))
+    a = jnp.where(jnp.isnan(a), jnp.float32(0.0), a)
+    amax = a.max(axis=2 if per_head else (1, 2), initial=jnp.float32(0.0))
+    # A division by a constant would become a multiply by its (inexact) reciprocal: see _quantize.
+    s = amax / lax.optimization_barrier(jnp.full(amax.shape, fmt.max_value, jnp.float32))
+    s = jnp.maximum(s, jnp.float32(DYNAMIC_SCALE_FLOOR))
+    if pow2:  # the next power of two up, on the bits (s is a positive normal or +inf)
+        u = lax.bitcast_convert_type(s, jnp.uint32)
+        up = ((u >> 23) + 1) << 23
+        keep = ((u & 0x7FFFFF) == 0) | (u >= 0x7F800000)
+        s = lax.bitcast_convert_type(jnp.where(keep, u, up), jnp.float32)
+    return s
+
+
+def _quantize_side(x, scale, mode, value, args):
+    """``(codes [T, H, D or D + pad], dynamic scales or None)`` of one side."""
+    if mode < ScaleMode.TOKEN:
+        return _quantize(x, _scale(scale, mode, value, 1), args.fmt), None
+    per_head = mode == ScaleMode.TOKEN_HEAD
+    s = _dynamic_scales(x, args.fmt, per_head, args.scale_pow2)
+    codes = _quantize(x, s[:, :, None] if per_head else s[:, None, None], args.fmt)
+    if args.inline_pad:  # the scale's little-endian bytes, then zeros, after each head's codes
+        tail = lax.bitcast_convert_type(s, jnp.uint8)   # [T, H, 4]
+        zeros = jnp.zeros(tail.shape[:2] + (args.inline_pad - 4,), jnp.uint8)
+        codes = jnp.concatenate([codes, tail, zeros], axis=-1)
+    return codes, s
+
+
+def _scale_index(slots, cache, layout: str, rank: int, per_head: bool):
+    """Index of each token's entry (``[H]`` per head, else one) of a side scale array."""
+    keep = _in_range(slots, cache.num_pages * cache.page_size)
+    page = jnp.where(keep, slots // cache.page_size, cache.num_pages)
+    offset = slots % cache.page_size
+    if rank == 3:
+        return (page,)
+    if per_head and layout == "HND":
+        return (page, slice(None), offset)
+    return (page, offset)
+
+
 @functools.partial(jax.jit, static_argnames=("args",))
-def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, *, args):
-    """``(key_cache, value_cache)``, or the combined ``kv_cache`` when ``args.combined``
-    (``value_cache`` is then None)."""
+def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, key_scale_cache,
+             value_scale_cache, *, args):
+    """``(key_cache, value_cache, key_scale_cache, value_scale_cache)``, or ``(kv_cache,
+    key_scale_cache, value_scale_cache)`` when ``args.combined`` (``value_cache`` is then None);
+    a side without a side scale array gives None."""
     combined = args.combined
-    qk = _quantize(key, _scale(key_scale, args.key_scale_mode, args.key_scale_value, 1), args.fmt)
-    qv = _quantize(value, _scale(value_scale, args.value_scale_mode, args.value_scale_value, 1),
-                   args.fmt)
-    index = _slot_index(slots, args.key_cache, args.layout, key_cache.ndim - combined, combined)
+    qk, sk = _quantize_side(key, key_scale, args.key_scale_mode, args.key_scale_value, args)
+    qv, sv = _quantize_side(value, value_scale, args.value_scale_mode, args.value_scale_value,
+                            args)
+    rank = key_cache.ndim - combined
+    index = _slot_index(slots, args.key_cache, args.layout, rank, combined)
+    scale_out = []
+    for sc, s, mode in ((key_scale_cache, sk, args.key_scale_mode),
+                        (value_scale_cache, sv, args.value_scale_mode)):
+        if sc is not None:
+            sc = sc.at[_scale_index(slots, args.key_cache, args.layout, rank,
+                                    mode == ScaleMode.TOKEN_HEAD)].set(s, mode="drop")
+        scale_out.append(sc)
     if combined:
-        return _scatter(key_cache, index, jnp.stack([qk, qv], axis=1))
-    return _scatter(key_cache, index, qk), _scatter(value_cache, index, qv)
+        return (_scatter(key_cache, index, jnp.stack([qk, qv], axis=1)), *scale_out)
+    return _scatter(key_cache, index, qk), _scatter(value_cache, index, qv), *scale_out
 
 
 def _gather(cache, index, num_pages: int):
@@ -101,9 +155,26 @@ def _gather(cache, index, num_pages: int):
     return raw.at[index].get(mode="fill", fill_value=0)
 
 
+def _stored_scales(scale_cache, codes, index, num_pages, mode, args):
+    """``(codes [N, ..., D], scales broadcasting against them)`` for a dynamic side."""
+    if args.inline_pad:
+        d = args.key_cache.head_dim
+        s = lax.bitcast_convert_type(codes[..., d:d + 4], jnp.float32)
+        return codes[..., :d], s[..., None]
+    if num_pages == 0:
+        s = jnp.ones(index.shape, jnp.float32)
+    else:
+        s = scale_cache.at[index].get(mode="fill", fill_value=1.0)
+    if mode == ScaleMode.TOKEN and args.cache_rank == 4:   # [N, page_size]
+        s = s[:, :, None] if args.layout == "NHD" else s[:, None, :]
+    elif mode == ScaleMode.TOKEN:                           # [N]
+        s = s[:, None]
+    return codes, s.reshape(s.shape + (1,) * (codes.ndim - s.ndim))
+
+
 @functools.partial(jax.jit, static_argnames=("args", "combined"))
-def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, *, args,
-                     combined):
+def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale,
+                     key_scale_cache=None, value_scale_cache=None, *, args, combined):
     """``(key_pages, value_pages, new_table)``, or ``(kv_pages, new_table)`` when ``combined``."""
     num_pages = args.key_cache.num_pages
     entries = block_table.reshape(-1)
@@ -122,6 +193,12 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     else:
         k_codes = _gather(key_cache, index, num_pages)
         v_codes = _gather(value_cache, index, num_pages)
+    if args.key_scale_mode >= ScaleMode.TOKEN:
+        k_codes, ks = _stored_scales(key_scale_cache, k_codes, index, num_pages,
+                                     args.key_scale_mode, args)
+    if args.value_scale_mode >= ScaleMode.TOKEN:
+        v_codes, vs = _stored_scales(value_scale_cache, v_codes, index, num_pages,
+                                     args.value_scale_mode, args)
     k = _dequantize(k_codes, ks, args.fmt, args.out_dtype, keep)
     v = _dequantize(v_codes, vs, args.fmt, args.out_dtype, keep)
     new_table = jnp.arange(entries.size, dtype=jnp.int32).reshape(block_table.shape)

@@ -66,27 +66,39 @@ def _like(x):
 
 
 @functools.partial(jax.jit, static_argnames=("args",))
-def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, *, args):
-    """As :func:`fp8kv_jax._jnp.write_kv`: ``(key_cache, value_cache)``, or the combined cache
-    alone when ``args.combined`` (``value_cache`` is then None)."""
+def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, key_scale_cache,
+             value_scale_cache, *, args):
+    """As :func:`fp8kv_jax._jnp.write_kv`: the caches (the combined one alone when
+    ``args.combined``; ``value_cache`` is then None), then the side scale arrays (or None)."""
     from fp8kv import ops  # imports Triton: only on this path
 
     plan = plan_write(args, CUDA)
-    # A scale that is not an array is a plan scalar; the kernel still takes a pointer.
+    # A scale that is not an array is a plan scalar; the kernel still takes a pointer. A side
+    # scale array takes the static scale's pointer and is aliased to its scale output.
+    key_scale = key_scale_cache if key_scale_cache is not None else key_scale
+    value_scale = value_scale_cache if value_scale_cache is not None else value_scale
     arrays = dict(key_ptr=key, value_ptr=value, key_cache_ptr=key_cache,
                   value_cache_ptr=key_cache if args.combined else value_cache, slot_ptr=slots,
                   key_scale_ptr=slots if key_scale is None else key_scale,
                   value_scale_ptr=slots if value_scale is None else value_scale,
                   key_cache_out_ptr=_like(key_cache),
-                  value_cache_out_ptr=_UNUSED_OUTPUT if args.combined else _like(value_cache))
+                  value_cache_out_ptr=_UNUSED_OUTPUT if args.combined else _like(value_cache),
+                  key_scale_out_ptr=_UNUSED_OUTPUT if key_scale_cache is None
+                  else _like(key_scale_cache),
+                  value_scale_out_ptr=_UNUSED_OUTPUT if value_scale_cache is None
+                  else _like(value_scale_cache))
     aliased = ("key_cache",) if args.combined else ("key_cache", "value_cache")
-    key_cache, value_cache = _launch(ops._write_kv_kernel, plan, arrays, aliased)
-    return key_cache if args.combined else (key_cache, value_cache)
+    aliased += ("key_scale",) * (key_scale_cache is not None)
+    aliased += ("value_scale",) * (value_scale_cache is not None)
+    key_cache, value_cache, ksc, vsc = _launch(ops._write_kv_kernel, plan, arrays, aliased)
+    ksc = ksc if key_scale_cache is not None else None
+    vsc = vsc if value_scale_cache is not None else None
+    return (key_cache, ksc, vsc) if args.combined else (key_cache, value_cache, ksc, vsc)
 
 
 @functools.partial(jax.jit, static_argnames=("args", "combined"))
-def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, *, args,
-                     combined):
+def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale,
+                     key_scale_cache=None, value_scale_cache=None, *, args, combined):
     """As :func:`fp8kv_jax._jnp.dequantize_pages`."""
     from fp8kv import ops  # imports Triton: only on this path
 
@@ -95,7 +107,10 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     plan = plan_dequantize(args, out, None if combined else out, CUDA)
     pages = jax.ShapeDtypeStruct(shape, jnp.dtype(args.out_dtype))
     table = jax.ShapeDtypeStruct((args.batch, args.pages_per_seq), jnp.int32)
-    # A combined cache is both cache operands; the plan's value_cache_offset finds V in it.
+    # A combined cache is both cache operands; the plan's value_cache_offset finds V in it. A
+    # side scale array takes the static scale's pointer.
+    key_scale = key_scale_cache if key_scale_cache is not None else key_scale
+    value_scale = value_scale_cache if value_scale_cache is not None else value_scale
     arrays = dict(key_cache_ptr=key_cache,
                   value_cache_ptr=key_cache if value_cache is None else value_cache,
                   table_ptr=block_table,

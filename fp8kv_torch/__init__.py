@@ -12,7 +12,7 @@ from typing import Sequence, Union
 import torch
 
 from . import _launch
-from ._ops import dequantize_pages_op, split_scale, write_kv_op
+from ._ops import dequantize_pages_op, split_scale, split_scale_cache, write_kv_op
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
 
@@ -20,19 +20,28 @@ Tensor = torch.Tensor
 Scale = Union[float, Tensor, None]
 
 
-def _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format):
+ScaleCache = Union[Tensor, str, None]
+
+
+def _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
+           key_scale_cache=None, value_scale_cache=None, scale_rounding="exact"):
     if torch.compiler.is_compiling():
         ks, ksv = split_scale(key_scale)
         vs, vsv = split_scale(value_scale)
-        write_kv_op(key, value, key_cache, value_cache, slots, ks, vs, ksv, vsv, layout, fp8_format)
+        ksc, ksi = split_scale_cache(key_scale_cache)
+        vsc, vsi = split_scale_cache(value_scale_cache)
+        write_kv_op(key, value, key_cache, value_cache, slots, ks, vs, ksv, vsv, layout, fp8_format,
+                    ksc, vsc, ksi, vsi, scale_rounding)
     else:
         _launch.write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout,
-                         fp8_format)
+                         fp8_format, key_scale_cache=key_scale_cache,
+                         value_scale_cache=value_scale_cache, scale_rounding=scale_rounding)
 
 
 def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor,
              key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
-             fp8_format: str | None = None) -> None:
+             fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
+             value_scale_cache: ScaleCache = None, scale_rounding: str = "exact") -> None:
     """Quantize ``key``/``value`` to FP8 and write them into a paged cache, in one launch.
 
     Parameters
@@ -56,6 +65,22 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     layout : {"NHD", "HND"}
     fp8_format : {None, "e4m3", "e5m2"}
         Format of a ``uint8`` cache (default ``"e4m3"``); must match a typed cache if given.
+    key_scale_cache, value_scale_cache : None, torch.Tensor or "inline"
+        Dynamic scales (K and V independent; that side's ``key_scale``/``value_scale`` must then
+        be None): each written token gets its scale from its own values, ``s = max(amax / fmax,
+        1e-6)`` (docs/SPEC.md, "Dynamic scales"), and the scale is stored at its slot. A float32
+        tensor (any strides) whose shape gives the granularity:
+
+        * per token-head: ``[num_pages, page_size, num_kv_heads]`` (NHD),
+          ``[num_pages, num_kv_heads, page_size]`` (HND), ``[num_slots, num_kv_heads]`` (rank 3);
+        * per token: ``[num_pages, page_size]``, ``[num_slots]`` (rank 3).
+
+        ``"inline"`` (both sides, per token-head): the caches' last dimension is ``head_dim + 4``
+        or ``head_dim + 16``; each head row holds its codes, then the fp32 scale (little-endian),
+        then zeros. For a combined scale buffer ``sc`` of shape ``[num_pages, 2, ...]`` pass the
+        views ``sc[:, 0]`` and ``sc[:, 1]``.
+    scale_rounding : {"exact", "pow2"}
+        ``"pow2"`` rounds each dynamic scale up to a power of two.
 
     Returns
     -------
@@ -63,8 +88,8 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
 
     Note
     ----
-    ``key_cache`` and ``value_cache`` are modified in place; bytes that no written slot names are
-    never touched. Rounding is IEEE fp32 division, then round-to-nearest-even with saturation
+    ``key_cache`` and ``value_cache`` (and the scale caches) are modified in place; bytes that no
+    written slot names are never touched. Rounding is IEEE fp32 division, then round-to-nearest-even with saturation
     (NaN -> 0x7F), identical on every backend (see docs/SPEC.md).
 
     Examples
@@ -77,12 +102,14 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     >>> k_cache[1, 1, 0].float().tolist()
     [2.0, -4.0, 448.0, 0.625]
     """
-    _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format)
+    _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
+           key_scale_cache, value_scale_cache, scale_rounding)
 
 
 def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor,
                       key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
-                      fp8_format: str | None = None) -> None:
+                      fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
+                      value_scale_cache: ScaleCache = None, scale_rounding: str = "exact") -> None:
     """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
 
     Parameters
@@ -92,7 +119,9 @@ def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tenso
         ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
         ``[num_slots, 2, num_kv_heads, head_dim]``; index 0 of dim 1 is K, index 1 is V.
 
-    Other parameters are those of :func:`write_kv`. ``kv_cache`` is modified in place.
+    Other parameters are those of :func:`write_kv`; ``key_scale_cache``/``value_scale_cache``
+    are shaped as for one half of ``kv_cache`` (e.g. views ``sc[:, 0]``, ``sc[:, 1]`` of a
+    combined scale buffer). ``kv_cache`` (and the scale caches) are modified in place.
 
     Examples
     --------
@@ -103,11 +132,13 @@ def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tenso
     >>> kv[1, :, 2, 0].tolist()
     [[56, 56, 56, 56], [184, 184, 184, 184]]
     """
-    _write(key, value, kv_cache, None, slots, key_scale, value_scale, layout, fp8_format)
+    _write(key, value, kv_cache, None, slots, key_scale, value_scale, layout, fp8_format,
+           key_scale_cache, value_scale_cache, scale_rounding)
 
 
 def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
-                fp8_format, null_page, out, combined):
+                fp8_format, null_page, out, combined, key_scale_cache=None, value_scale_cache=None,
+                head_dim=None):
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
     outs = None
@@ -125,14 +156,19 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
         if outs is None:
             outs = _launch.dequantize_pages(key_cache, value_cache, block_table, key_scale,
                                             value_scale, dtype, layout, fp8_format, null_page,
-                                            launch=False)
+                                            launch=False, key_scale_cache=key_scale_cache,
+                                            value_scale_cache=value_scale_cache, head_dim=head_dim)
         ks, ksv = split_scale(key_scale)
         vs, vsv = split_scale(value_scale)
+        ksc, ksi = split_scale_cache(key_scale_cache)
+        vsc, vsi = split_scale_cache(value_scale_cache)
         dequantize_pages_op(key_cache, value_cache, block_table, ks, vs, ksv, vsv, layout, fp8_format,
-                            null_page, *outs)
+                            null_page, *outs, ksc, vsc, ksi, vsi, head_dim)
     else:
         outs = _launch.dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale,
-                                        dtype, layout, fp8_format, null_page, outs)
+                                        dtype, layout, fp8_format, null_page, outs,
+                                        key_scale_cache=key_scale_cache,
+                                        value_scale_cache=value_scale_cache, head_dim=head_dim)
     return tuple(o for o in outs if o is not None)
 
 
@@ -140,7 +176,9 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
                      key_scale: Scale = None, value_scale: Scale = None, *,
                      dtype: torch.dtype = torch.bfloat16, layout: str = "NHD",
                      fp8_format: str | None = None, null_page: int | None = None,
-                     out: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                     out: Sequence[Tensor] | None = None, key_scale_cache: ScaleCache = None,
+                     value_scale_cache: ScaleCache = None,
+                     head_dim: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Dequantize the pages a block table names into a compact paged cache + renumbered table.
 
     Parameters
@@ -162,6 +200,13 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
     out : tuple of torch.Tensor, optional
         Preallocated ``(key_pages, value_pages, new_block_table)`` (e.g. for CUDA graphs); each may
         be a strided view with a unit-stride last dim.
+    key_scale_cache, value_scale_cache : None, torch.Tensor or "inline"
+        Dynamic scales as written by :func:`write_kv` (shapes there), read per slot instead of a
+        static scale (that side's ``key_scale``/``value_scale`` must be None).
+    head_dim : int, optional
+        Required with ``"inline"`` (the caches' last dimension is ``head_dim + 4`` or
+        ``head_dim + 16``); the pages then hold ``head_dim`` columns. Otherwise, if given, it must
+        equal the caches' last dimension.
 
     Returns
     -------
@@ -185,14 +230,18 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
     ([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], [[0, 1]])
     """
     return _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
-                       fp8_format, null_page, out, combined=False)
+                       fp8_format, null_page, out, False, key_scale_cache, value_scale_cache,
+                       head_dim)
 
 
 def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: Scale = None,
                               value_scale: Scale = None, *, dtype: torch.dtype = torch.bfloat16,
                               layout: str = "NHD", fp8_format: str | None = None,
                               null_page: int | None = None,
-                              out: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor]:
+                              out: Sequence[Tensor] | None = None,
+                              key_scale_cache: ScaleCache = None,
+                              value_scale_cache: ScaleCache = None,
+                              head_dim: int | None = None) -> tuple[Tensor, Tensor]:
     """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
 
     Parameters
@@ -210,7 +259,8 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
     new_block_table : torch.Tensor
         ``[batch, pages_per_seq]`` int32.
 
-    Other parameters are those of :func:`dequantize_pages`.
+    Other parameters are those of :func:`dequantize_pages` (dynamic scale caches shaped as for
+    one half of ``kv_cache``, e.g. views ``sc[:, 0]``, ``sc[:, 1]`` of a combined scale buffer).
 
     Examples
     --------
@@ -221,4 +271,5 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
     (torch.Size([1, 2, 1, 1, 2]), [-1.0, -1.0])
     """
     return _dequantize(kv_cache, None, block_table, key_scale, value_scale, dtype, layout,
-                       fp8_format, null_page, out, combined=True)
+                       fp8_format, null_page, out, True, key_scale_cache, value_scale_cache,
+                       head_dim)

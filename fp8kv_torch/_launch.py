@@ -35,6 +35,12 @@ def scale_arg(scale, name: str):
     return info(scale, name) if isinstance(scale, torch.Tensor) else scale
 
 
+def scale_cache_arg(scale_cache, name: str):
+    """A scale cache as the core sees it: None, ``"inline"`` (or any other object, which the
+    core rejects), or an ArrayInfo."""
+    return info(scale_cache, name) if isinstance(scale_cache, torch.Tensor) else scale_cache
+
+
 def _backend(t: torch.Tensor, name: str) -> str:
     if t.device.type == "cuda":
         return CUDA
@@ -122,18 +128,22 @@ def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, arrays
 
 
 def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
-             exact=None, launch=True):
+             exact=None, launch=True, key_scale_cache=None, value_scale_cache=None,
+             scale_rounding="exact"):
     """Validate, plan and launch one write. ``value_cache=None``: ``key_cache`` is combined.
 
     ``exact`` forces the exact (True) or hardware (False) conversions; ``launch=False`` only
     validates (the fake implementation of the custom op).
     """
     combined = value_cache is None
-    arrays = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale)
+    arrays = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale,
+                             key_scale_cache, value_scale_cache)
     ready_key = None
     if launch and exact is None:
         ready_key, ready = _find_ready("write", (key, value, key_cache, value_cache, slots,
-                                                 key_scale, value_scale), (layout, fp8_format))
+                                                 key_scale, value_scale, key_scale_cache,
+                                                 value_scale_cache),
+                                       (layout, fp8_format, scale_rounding))
         if ready is not None:
             return ready(arrays)
     args = check_write(
@@ -141,7 +151,10 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
         None if combined else info(value_cache, "value_cache"), info(slots, "slots"),
         scale_arg(key_scale, "key_scale"), scale_arg(value_scale, "value_scale"),
         layout=layout, fp8_format=fp8_format,
-        kv_cache=info(key_cache, "kv_cache") if combined else None)
+        kv_cache=info(key_cache, "kv_cache") if combined else None,
+        key_scale_cache=scale_cache_arg(key_scale_cache, "key_scale_cache"),
+        value_scale_cache=scale_cache_arg(value_scale_cache, "value_scale_cache"),
+        scale_rounding=scale_rounding)
     backend = _backend(key, "key")
     plan = plan_write(args, backend, exact)
     if plan.empty or not launch:
@@ -149,14 +162,18 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
     _launch(ops._write_kv_kernel, plan, backend, key.device, arrays, ready_key)
 
 
-def _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale) -> dict:
+def _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale,
+                    key_scale_cache=None, value_scale_cache=None) -> dict:
     """The kernel's arrays by name. Each cache is an input and an output; a combined cache
-    (``value_cache`` None) is both caches, the plan's offset finding V in it."""
+    (``value_cache`` None) is both caches, the plan's offset finding V in it. A side scale array
+    takes the static scale's place as input and is also the scale output."""
     value_cache = key_cache if value_cache is None else value_cache
+    key_scale = _pointer_or(key_scale_cache, _pointer_or(key_scale, slots))
+    value_scale = _pointer_or(value_scale_cache, _pointer_or(value_scale, slots))
     return dict(key_ptr=key, value_ptr=value, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
-                slot_ptr=slots, key_scale_ptr=_pointer_or(key_scale, slots),
-                value_scale_ptr=_pointer_or(value_scale, slots), key_cache_out_ptr=key_cache,
-                value_cache_out_ptr=value_cache)
+                slot_ptr=slots, key_scale_ptr=key_scale, value_scale_ptr=value_scale,
+                key_cache_out_ptr=key_cache, value_cache_out_ptr=value_cache,
+                key_scale_out_ptr=key_scale, value_scale_out_ptr=value_scale)
 
 
 def _pointer_or(scale, placeholder):
@@ -164,12 +181,15 @@ def _pointer_or(scale, placeholder):
     return scale if isinstance(scale, torch.Tensor) else placeholder
 
 
-def _dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale, outs) -> dict:
+def _dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale, outs,
+                         key_scale_cache=None, value_scale_cache=None) -> dict:
     key_out, value_out, table_out = outs
     return dict(key_cache_ptr=key_cache,
                 value_cache_ptr=key_cache if value_cache is None else value_cache,
-                table_ptr=block_table, key_scale_ptr=_pointer_or(key_scale, block_table),
-                value_scale_ptr=_pointer_or(value_scale, block_table), key_out_ptr=key_out,
+                table_ptr=block_table,
+                key_scale_ptr=_pointer_or(key_scale_cache, _pointer_or(key_scale, block_table)),
+                value_scale_ptr=_pointer_or(value_scale_cache, _pointer_or(value_scale, block_table)),
+                key_out_ptr=key_out,
                 value_out_ptr=key_out if value_out is None else value_out, new_table_ptr=table_out)
 
 
@@ -183,7 +203,8 @@ def _allocate(spec, device) -> tuple:
 
 
 def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
-                     fp8_format, null_page, outs=None, exact=None, launch=True) -> tuple:
+                     fp8_format, null_page, outs=None, exact=None, launch=True,
+                     key_scale_cache=None, value_scale_cache=None, head_dim=None) -> tuple:
     """Validate, plan and launch one dequantize; returns ``(key_out, value_out, table_out)``.
 
     ``value_cache=None``: ``key_cache`` is a combined cache, and the output is combined too
@@ -193,20 +214,25 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     combined = value_cache is None
     ready_key = None
     if launch and exact is None:
-        tensors = (key_cache, value_cache, block_table, key_scale, value_scale, *(outs or ()))
+        tensors = (key_cache, value_cache, block_table, key_scale, value_scale, key_scale_cache,
+                   value_scale_cache, *(outs or ()))
         ready_key, ready = _find_ready("dequantize", tensors,
-                                       (dtype, layout, fp8_format, null_page, outs is None))
+                                       (dtype, layout, fp8_format, null_page, head_dim,
+                                        outs is None))
         if ready is not None:
             outs = outs or _allocate(ready.outputs_spec, key_cache.device)
             ready(_dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale,
-                                       outs))
+                                       outs, key_scale_cache, value_scale_cache))
             return outs
     args = check_dequantize(
         None if combined else info(key_cache, "key_cache"),
         None if combined else info(value_cache, "value_cache"), info(block_table, "block_table"),
         scale_arg(key_scale, "key_scale"), scale_arg(value_scale, "value_scale"),
         dtype=dtype_name(dtype), layout=layout, fp8_format=fp8_format, null_page=null_page,
-        kv_cache=info(key_cache, "kv_cache") if combined else None)
+        kv_cache=info(key_cache, "kv_cache") if combined else None,
+        key_scale_cache=scale_cache_arg(key_scale_cache, "key_scale_cache"),
+        value_scale_cache=scale_cache_arg(value_scale_cache, "value_scale_cache"),
+        head_dim=head_dim)
     spec = (dequantized_shape(args, combined), dtype, combined, (args.batch, args.pages_per_seq))
     if outs is None:
         outs = _allocate(spec, key_cache.device)
@@ -224,6 +250,7 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     if plan.empty or not launch:
         return outs
     _launch(ops._dequantize_pages_kernel, plan, backend, key_cache.device,
-            _dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale, outs),
+            _dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale, outs,
+                                 key_scale_cache, value_scale_cache),
             ready_key, spec)
     return outs

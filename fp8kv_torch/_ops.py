@@ -19,20 +19,47 @@ def join_scale(tensor, value):
     return tensor if tensor is not None else value
 
 
-@torch.library.custom_op("fp8kv::write_kv", mutates_args=("key_cache", "value_cache"))
+def split_scale_cache(scale_cache):
+    """A scale cache as (tensor or None, inline flag): custom ops cannot take ``str | Tensor``.
+
+    Anything else (a wrong type or string) is passed on as is by the eager path, which rejects
+    it; here it is left to the op's own validation, which sees the same argument."""
+    if isinstance(scale_cache, Tensor) or scale_cache is None:
+        return scale_cache, False
+    if isinstance(scale_cache, str) and scale_cache == "inline":
+        return None, True
+    return scale_cache, False
+
+
+def join_scale_cache(tensor, inline):
+    return "inline" if inline else tensor
+
+
+@torch.library.custom_op("fp8kv::write_kv", mutates_args=("key_cache", "value_cache",
+                                                         "key_scale_cache", "value_scale_cache"))
 def write_kv_op(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Optional[Tensor],
                 slots: Tensor, key_scale: Optional[Tensor], value_scale: Optional[Tensor],
                 key_scale_value: Optional[float], value_scale_value: Optional[float], layout: str,
-                fp8_format: Optional[str]) -> None:
+                fp8_format: Optional[str], key_scale_cache: Optional[Tensor] = None,
+                value_scale_cache: Optional[Tensor] = None, key_scale_inline: bool = False,
+                value_scale_inline: bool = False, scale_rounding: str = "exact") -> None:
     _launch.write_kv(key, value, key_cache, value_cache, slots, join_scale(key_scale, key_scale_value),
-                     join_scale(value_scale, value_scale_value), layout, fp8_format)
+                     join_scale(value_scale, value_scale_value), layout, fp8_format,
+                     key_scale_cache=join_scale_cache(key_scale_cache, key_scale_inline),
+                     value_scale_cache=join_scale_cache(value_scale_cache, value_scale_inline),
+                     scale_rounding=scale_rounding)
 
 
 @write_kv_op.register_fake
 def _write_kv_fake(key, value, key_cache, value_cache, slots, key_scale, value_scale, key_scale_value,
-                   value_scale_value, layout, fp8_format):
+                   value_scale_value, layout, fp8_format, key_scale_cache=None,
+                   value_scale_cache=None, key_scale_inline=False, value_scale_inline=False,
+                   scale_rounding="exact"):
     _launch.write_kv(key, value, key_cache, value_cache, slots, join_scale(key_scale, key_scale_value),
-                     join_scale(value_scale, value_scale_value), layout, fp8_format, launch=False)
+                     join_scale(value_scale, value_scale_value), layout, fp8_format, launch=False,
+                     key_scale_cache=join_scale_cache(key_scale_cache, key_scale_inline),
+                     value_scale_cache=join_scale_cache(value_scale_cache, value_scale_inline),
+                     scale_rounding=scale_rounding)
 
 
 @torch.library.custom_op("fp8kv::dequantize_pages",
@@ -41,18 +68,31 @@ def dequantize_pages_op(key_cache: Tensor, value_cache: Optional[Tensor], block_
                         key_scale: Optional[Tensor], value_scale: Optional[Tensor],
                         key_scale_value: Optional[float], value_scale_value: Optional[float],
                         layout: str, fp8_format: Optional[str], null_page: Optional[int],
-                        key_out: Tensor, value_out: Optional[Tensor], table_out: Tensor) -> None:
+                        key_out: Tensor, value_out: Optional[Tensor], table_out: Tensor,
+                        key_scale_cache: Optional[Tensor] = None,
+                        value_scale_cache: Optional[Tensor] = None, key_scale_inline: bool = False,
+                        value_scale_inline: bool = False, head_dim: Optional[int] = None) -> None:
     _launch.dequantize_pages(key_cache, value_cache, block_table,
                              join_scale(key_scale, key_scale_value),
                              join_scale(value_scale, value_scale_value), key_out.dtype, layout,
-                             fp8_format, null_page, (key_out, value_out, table_out))
+                             fp8_format, null_page, (key_out, value_out, table_out),
+                             key_scale_cache=join_scale_cache(key_scale_cache, key_scale_inline),
+                             value_scale_cache=join_scale_cache(value_scale_cache,
+                                                                value_scale_inline),
+                             head_dim=head_dim)
 
 
 @dequantize_pages_op.register_fake
 def _dequantize_pages_fake(key_cache, value_cache, block_table, key_scale, value_scale,
                            key_scale_value, value_scale_value, layout, fp8_format, null_page,
-                           key_out, value_out, table_out):
+                           key_out, value_out, table_out, key_scale_cache=None,
+                           value_scale_cache=None, key_scale_inline=False,
+                           value_scale_inline=False, head_dim=None):
     _launch.dequantize_pages(key_cache, value_cache, block_table,
                              join_scale(key_scale, key_scale_value),
                              join_scale(value_scale, value_scale_value), key_out.dtype, layout,
-                             fp8_format, null_page, (key_out, value_out, table_out), launch=False)
+                             fp8_format, null_page, (key_out, value_out, table_out), launch=False,
+                             key_scale_cache=join_scale_cache(key_scale_cache, key_scale_inline),
+                             value_scale_cache=join_scale_cache(value_scale_cache,
+                                                                value_scale_inline),
+                             head_dim=head_dim)

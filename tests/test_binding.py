@@ -17,7 +17,8 @@ from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
 from fp8kv.validate import check_dequantize, check_write, dequantized_shape
 
 WRITE_ARRAYS = ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr", "slot_ptr",
-                "key_scale_ptr", "value_scale_ptr", "key_cache_out_ptr", "value_cache_out_ptr")
+                "key_scale_ptr", "value_scale_ptr", "key_cache_out_ptr", "value_cache_out_ptr",
+                "key_scale_out_ptr", "value_scale_out_ptr")
 DEQUANT_ARRAYS = ("key_cache_ptr", "value_cache_ptr", "table_ptr", "key_scale_ptr",
                   "value_scale_ptr", "key_out_ptr", "value_out_ptr", "new_table_ptr")
 
@@ -72,8 +73,8 @@ def test_bind_orders_by_the_kernel_signature():
     assert isinstance(call, BoundCall)
     sig = signature(ops._write_kv_kernel)
     assert call.inputs == sig.inputs and call.outputs == sig.outputs
-    assert call.inputs[-1] == "value_scale_ptr" and call.outputs == ("key_cache_out_ptr",
-                                                                     "value_cache_out_ptr")
+    assert call.inputs[-1] == "value_scale_ptr" and call.outputs == (
+        "key_cache_out_ptr", "value_cache_out_ptr", "key_scale_out_ptr", "value_scale_out_ptr")
     assert call.scalars == tuple(plan.scalars[n] for n in sig.scalars)
     assert list(call.constexprs) == list(sig.constexprs)
 
@@ -108,3 +109,30 @@ def test_kernel_parameters_must_come_in_jax_triton_order():
         signature(_scalar_after_output)
     with pytest.raises(TypeError, match=r"'y_ptr' \(output\) comes after the constexprs"):
         signature(_constexpr_before_output)
+
+
+@pytest.mark.parametrize("backend", [CUDA, INTERPRET])
+@pytest.mark.parametrize("dynamic", ["token_head", "token", "inline"])
+def test_dynamic_scale_plans_name_the_kernel_parameters(backend, dynamic):
+    x = ArrayInfo.contiguous((5, 3, 80), "bfloat16", "cuda:0")
+    width = 84 if dynamic == "inline" else 80
+    cache = ArrayInfo.contiguous((4, 16, 3, width), "uint8", "cuda:0")
+    slots = ArrayInfo.contiguous((5,), "int32", "cuda:0")
+    sc = ("inline" if dynamic == "inline" else
+          ArrayInfo.contiguous((4, 16, 3) if dynamic == "token_head" else (4, 16), "float32",
+                               "cuda:0"))
+    args = check_write(x, x, cache, cache, slots, None, None, layout="NHD", fp8_format=None,
+                       key_scale_cache=sc, value_scale_cache=sc, scale_rounding="pow2")
+    plan = plan_write(args, backend)
+    check_names(ops._write_kv_kernel, plan.scalars, plan.constexprs, dict.fromkeys(WRITE_ARRAYS))
+    assert plan.constexprs["SCALE_POW2"] and plan.constexprs["HEAD_DIM"] == 80
+    assert plan.constexprs["INLINE_PAD"] == (4 if dynamic == "inline" else 0)
+    table = ArrayInfo.contiguous((2, 3), "int32", "cuda:0")
+    dargs = check_dequantize(cache, cache, table, None, None, dtype="bfloat16", layout="NHD",
+                             fp8_format=None, null_page=None, key_scale_cache=sc,
+                             value_scale_cache=sc, head_dim=80 if dynamic == "inline" else None)
+    out = ArrayInfo.contiguous(dequantized_shape(dargs, False), "bfloat16", "cuda:0")
+    assert out.shape == (6, 16, 3, 80)
+    plan = plan_dequantize(dargs, out, out, backend)
+    check_names(ops._dequantize_pages_kernel, plan.scalars, plan.constexprs,
+                dict.fromkeys(DEQUANT_ARRAYS))

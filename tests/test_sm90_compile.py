@@ -61,7 +61,7 @@ def compile_for_hopper(kernel, arrays: dict, plan, int_divisibility=True):
 def write_arrays(x, cache, slots, scale):
     return dict(key_ptr=x, value_ptr=x, key_cache_ptr=cache, value_cache_ptr=cache, slot_ptr=slots,
                 key_scale_ptr=scale, value_scale_ptr=scale, key_cache_out_ptr=cache,
-                value_cache_out_ptr=cache)
+                value_cache_out_ptr=cache, key_scale_out_ptr=scale, value_scale_out_ptr=scale)
 
 
 def dequant_arrays(cache, table, scale, out):
@@ -169,3 +169,58 @@ def test_default_shapes_get_16_byte_accesses(int_divisibility):
         ops._dequantize_pages_kernel, dequant_arrays("float8_e4m3fn", "int32", "float32", "bfloat16"),
         plan, int_divisibility))
     assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, found
+
+
+DYNAMIC_VARIANTS = [  # (dtype, fmt, layout, granularity, rounding, heads, head_dim, page_size)
+    ("bfloat16", "e4m3", "NHD", "token_head", "exact", 8, 128, 16),
+    ("float16", "e5m2", "HND", "token", "pow2", 3, 80, 16),
+    ("float32", "e4m3", "3D", "token_head", "pow2", 1, 40, 1),
+    ("bfloat16", "e4m3", "NHD", "inline4", "pow2", 8, 128, 16),
+    ("bfloat16", "e5m2", "HND", "inline16", "exact", 3, 72, 32),
+]
+
+
+def _dynamic_args(variant, tokens=64):
+    dtype, fmt, layout, gran, rounding, heads, head_dim, page_size = variant
+    pad = {"inline4": 4, "inline16": 16}.get(gran, 0)
+    api_layout = "NHD" if layout == "3D" else layout
+    if layout == "3D":
+        shape = (100, heads, head_dim + pad)
+        sshape = {"token_head": (100, heads), "token": (100,)}.get(gran)
+    elif layout == "NHD":
+        shape = (10, page_size, heads, head_dim + pad)
+        sshape = {"token_head": (10, page_size, heads), "token": (10, page_size)}.get(gran)
+    else:
+        shape = (10, heads, page_size, head_dim + pad)
+        sshape = {"token_head": (10, heads, page_size), "token": (10, page_size)}.get(gran)
+    cache = ArrayInfo.contiguous(shape, FORMATS_DTYPE[fmt], "cuda:0")
+    sc = "inline" if pad else ArrayInfo.contiguous(sshape, "float32", "cuda:0")
+    x = ArrayInfo.contiguous((tokens, heads, head_dim), dtype, "cuda:0")
+    slots = ArrayInfo.contiguous((tokens,), "int64", "cuda:0")
+    args = check_write(x, x, cache, cache, slots, None, None, layout=api_layout, fp8_format=None,
+                       key_scale_cache=sc, value_scale_cache=sc, scale_rounding=rounding)
+    table = ArrayInfo.contiguous((4, 8), "int32", "cuda:0")
+    dargs = check_dequantize(cache, cache, table, None, None, dtype="bfloat16", layout=api_layout,
+                             fp8_format=None, null_page=None, key_scale_cache=sc,
+                             value_scale_cache=sc, head_dim=head_dim if pad else None)
+    return args, dargs, cache.dtype, "uint8" if pad else "float32"
+
+
+FORMATS_DTYPE = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("variant", DYNAMIC_VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_dynamic_scale_kernels_compile_for_sm90(variant, exact):
+    args, dargs, cache_dtype, scale_dtype = _dynamic_args(variant)
+    plan = plan_write(args, CUDA, exact)
+    found = ptx_ops(compile_for_hopper(
+        ops._write_kv_kernel, write_arrays(variant[0], cache_dtype, "int64", scale_dtype), plan))
+    assert "ftz" not in " ".join(found)
+    assert "div.rn.f32" in found   # amax / fmax and x / s: IEEE division
+    out = ArrayInfo.contiguous(dequantized_shape(dargs, False), "bfloat16", "cuda:0")
+    dplan = plan_dequantize(dargs, out, out, CUDA, exact)
+    found = ptx_ops(compile_for_hopper(
+        ops._dequantize_pages_kernel, dequant_arrays(cache_dtype, "int32", scale_dtype, "bfloat16"),
+        dplan))
+    assert "ftz" not in " ".join(found)

@@ -13,11 +13,35 @@ as in ``write_kv``. A combined ``[num_pages, 2, ...]`` cache is passed as both c
 V ``value_cache_offset`` elements in; a combined output holds V ``value_out_offset`` elements after
 K and, with ``SHARED_OUT``, is written through the K output pointer alone (jax-triton gives each
 buffer one output).
+
+Dynamic scales (``K_SCALE_MODE`` / ``V_SCALE_MODE`` TOKEN or TOKEN_HEAD) are gathered per element
+from its slot (and head): from a side array (``*_scale_ptr`` with the ``stride_*sc_*`` strides; per
+token its head stride is 0) or, with ``INLINE_PAD``, from the 4 little-endian bytes after each head's
+``HEAD_DIM`` codes in the cache row.
 """
 import triton.language as tl
 
 from ._dual import jit
-from .fp8_math import OUT_FLOAT32, SCALE_NONE, fp8_code_to_fp32, fp32_to_output_bits, load_scale
+from .fp8_math import (OUT_FLOAT32, SCALE_NONE, SCALE_TOKEN, fp8_code_to_fp32,
+                       fp32_to_output_bits, load_scale)
+
+
+@jit
+def _stored_scale(scale_ptr, codes, row, stride_head, scale_off, stride_sc_slot, stride_sc_head,
+                  slot, head, mask, HEAD_DIM: tl.constexpr, INLINE_PAD: tl.constexpr):
+    """Per element: the dynamic scale of its slot and head. ``codes``: the cache as bytes,
+    ``row``: the element's page row (int64); ``scale_off``: the page's offset in the side array."""
+    if INLINE_PAD > 0:
+        at = codes + (row + head.to(tl.int64) * stride_head + HEAD_DIM)
+        bits = tl.load(at, mask=mask, other=0).to(tl.int32)
+        bits = bits | (tl.load(at + 1, mask=mask, other=0).to(tl.int32) << 8)
+        bits = bits | (tl.load(at + 2, mask=mask, other=0).to(tl.int32) << 16)
+        bits = bits | (tl.load(at + 3, mask=mask, other=0).to(tl.int32) << 24)
+        s = bits.to(tl.float32, bitcast=True)
+    else:
+        s = tl.load(scale_ptr + (scale_off + slot.to(tl.int64) * stride_sc_slot
+                                 + head.to(tl.int64) * stride_sc_head), mask=mask, other=1.0)
+    return s
 
 
 @jit
@@ -46,9 +70,11 @@ def _dequantize_pages_kernel(
     value_cache_offset,
     stride_ko_page, stride_ko_slot, stride_ko_head, stride_vo_page, stride_vo_slot, stride_vo_head,
     value_out_offset, key_scale_value, value_scale_value,
+    stride_ksc_page, stride_ksc_slot, stride_ksc_head, stride_vsc_page, stride_vsc_slot,
+    stride_vsc_head,
     key_out_ptr, value_out_ptr, new_table_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HND: tl.constexpr,
-    BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
+    BLOCK: tl.constexpr, INLINE_PAD: tl.constexpr, K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
     E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
     IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr,
     OUT_ALIGN: tl.constexpr, SHARED_OUT: tl.constexpr,
@@ -89,9 +115,25 @@ def _dequantize_pages_kernel(
         head = (j // HEAD_DIM) % NUM_HEADS
     k = fp8_code_to_fp32(key_codes.to(tl.int32), E5M2, EXACT)
     v = fp8_code_to_fp32(value_codes.to(tl.int32), E5M2, EXACT)
-    if K_SCALE_MODE != SCALE_NONE:
+    if K_SCALE_MODE >= SCALE_TOKEN or V_SCALE_MODE >= SCALE_TOKEN:
+        if HND:
+            slot = (j // HEAD_DIM) % PAGE_SIZE
+        else:
+            slot = j // (NUM_HEADS * HEAD_DIM)
+        # Row starts of each element's slot (head 0) in the caches, as bytes.
+        k_row = kc_base + slot.to(tl.int64) * stride_kc_slot
+        v_row = vc_base + slot.to(tl.int64) * stride_vc_slot
+    if K_SCALE_MODE >= SCALE_TOKEN:
+        k = k * _stored_scale(key_scale_ptr, key_cache_ptr.to(tl.pointer_type(tl.uint8)), k_row,
+                              stride_kc_head, page * stride_ksc_page, stride_ksc_slot,
+                              stride_ksc_head, slot, head, load_mask, HEAD_DIM, INLINE_PAD)
+    elif K_SCALE_MODE != SCALE_NONE:
         k = k * load_scale(key_scale_ptr, key_scale_value, head, in_page, K_SCALE_MODE)
-    if V_SCALE_MODE != SCALE_NONE:
+    if V_SCALE_MODE >= SCALE_TOKEN:
+        v = v * _stored_scale(value_scale_ptr, value_cache_ptr.to(tl.pointer_type(tl.uint8)),
+                              v_row, stride_vc_head, page * stride_vsc_page, stride_vsc_slot,
+                              stride_vsc_head, slot, head, load_mask, HEAD_DIM, INLINE_PAD)
+    elif V_SCALE_MODE != SCALE_NONE:
         v = v * load_scale(value_scale_ptr, value_scale_value, head, in_page, V_SCALE_MODE)
     # Padding pages are zeros (not 0 * scale, which is NaN for an inf scale).
     k_bits = tl.where(valid, fp32_to_output_bits(k, OUT_KIND, EXACT), 0)

@@ -20,6 +20,11 @@ SCALE_NONE: tl.constexpr = tl.constexpr(int(ScaleMode.NONE))
 SCALE_VALUE: tl.constexpr = tl.constexpr(int(ScaleMode.VALUE))
 SCALE_TENSOR: tl.constexpr = tl.constexpr(int(ScaleMode.TENSOR))
 SCALE_HEAD: tl.constexpr = tl.constexpr(int(ScaleMode.HEAD))
+SCALE_TOKEN: tl.constexpr = tl.constexpr(int(ScaleMode.TOKEN))
+SCALE_TOKEN_HEAD: tl.constexpr = tl.constexpr(int(ScaleMode.TOKEN_HEAD))
+SCALE_FLOOR: tl.constexpr = tl.constexpr(formats.DYNAMIC_SCALE_FLOOR)
+E4M3_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E4M3.max_value)
+E5M2_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E5M2.max_value)
 OUT_BFLOAT16: tl.constexpr = tl.constexpr(int(OutKind.BFLOAT16))
 OUT_FLOAT16: tl.constexpr = tl.constexpr(int(OutKind.FLOAT16))
 OUT_FLOAT32: tl.constexpr = tl.constexpr(int(OutKind.FLOAT32))
@@ -194,3 +199,36 @@ def fp32_to_output_bits(v, OUT_KIND: tl.constexpr, EXACT: tl.constexpr):
     else:
         bits = tl.where(is_nan, NAN_BITS_FP32, v.to(tl.int32, bitcast=True))
     return bits
+
+
+@jit
+def group_amax(x):
+    """``max |x|`` along axis 1 of fp32 ``x``, NaNs counted as 0 (masked elements must be 0).
+
+    ``tl.reduce`` with the standard max combiner rather than ``tl.max``: the latter is a jitted
+    library function that the interpreter cannot call from a process that compiles too.
+    """
+    return tl.reduce(tl.where(x != x, 0.0, tl.abs(x)), 1, tl.standard._elementwise_max)
+
+
+@jit
+def dynamic_scale(amax, E5M2: tl.constexpr, POW2: tl.constexpr):
+    """The dynamic dequant scale of a group: ``max(amax / fmax, floor)``, then (POW2) the
+    smallest power of two ``>= s``, exactly, on the fp32 bits (``inf`` stays ``inf``).
+
+    Plain fp32 operations: the exact and the fast path share them.
+    """
+    if E5M2:
+        FMAX: tl.constexpr = E5M2_MAX_VALUE
+    else:
+        FMAX: tl.constexpr = E4M3_MAX_VALUE
+    s = tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32))
+    s = tl.maximum(s, tl.full(amax.shape, SCALE_FLOOR, tl.float32))
+    if POW2:
+        # s >= the floor is a positive normal or +inf: a power of two has a zero mantissa;
+        # otherwise the next power up is the exponent field plus one, mantissa zero.
+        u = s.to(tl.int32, bitcast=True)
+        up = ((u >> 23) + 1) << 23
+        keep = ((u & 0x7FFFFF) == 0) | (u >= 0x7F800000)
+        s = tl.where(keep, u, up).to(tl.float32, bitcast=True)
+    return s

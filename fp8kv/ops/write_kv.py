@@ -11,12 +11,58 @@ by name (:mod:`fp8kv.binding`). A cache is an input (``*_cache_ptr``, for JAX's 
 output (``*_cache_out_ptr``, written). A combined ``[num_pages, 2, ...]`` cache is passed as both
 caches, V ``value_cache_offset`` elements in; with ``SHARED_OUT`` V is written through the K output
 pointer, for frontends that give each buffer one output (jax-triton).
+
+Dynamic scales (``K_SCALE_MODE`` / ``V_SCALE_MODE`` TOKEN or TOKEN_HEAD) take the other loop,
+:func:`_write_dynamic`: head by head, a whole head per ``[BLOCK_T, BLOCK_D]`` tile, its amax one row
+reduction (per token: a first pass over the heads for the amax, then the quantize pass re-reads
+them). Each scale goes to ``*_scale_out_ptr`` (a side array, bound to the same buffer as
+``*_scale_ptr``) or, with ``INLINE_PAD``, as 4 little-endian bytes (then zeros up to ``INLINE_PAD``)
+right after the head's ``HEAD_DIM`` codes in the cache row. The static-scale loop is unchanged;
+a dynamic side is compiled out of it.
 """
 import triton.language as tl
 
 from ._dual import jit
-from .fp8_math import (SCALE_HEAD, SCALE_NONE, divide, fp32_to_fp8_code, load_as_fp32,
-                       load_scale)
+from .fp8_math import (SCALE_HEAD, SCALE_NONE, SCALE_TOKEN, SCALE_TOKEN_HEAD, divide,
+                       dynamic_scale, fp32_to_fp8_code, group_amax, load_as_fp32, load_scale)
+
+
+@jit
+def _write_dynamic(x_ptr, x_in, stride_x_head, dst, row, stride_c_head, scale_dst, scale_row,
+                   stride_sc_head, in_range, keep, MODE: tl.constexpr, NUM_HEADS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                   INLINE_PAD: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
+                   POW2: tl.constexpr):
+    """Quantize one side (K or V) of ``BLOCK_T`` tokens with dynamic scales and store codes and
+    scales. ``row``/``scale_row``: each token's cache row / scale offset (int64)."""
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    load_mask = in_range[:, None] & d_mask[None, :]
+    mask = keep[:, None] & d_mask[None, :]
+    if MODE == SCALE_TOKEN:
+        amax = tl.full([BLOCK_T], 0.0, tl.float32)
+        for h in range(NUM_HEADS):
+            x = load_as_fp32(x_ptr, x_in[:, None] + (h * stride_x_head + d)[None, :], load_mask,
+                             EXACT)
+            amax = tl.maximum(amax, group_amax(x))
+        s = dynamic_scale(amax, E5M2, POW2)
+        tl.store(scale_dst + scale_row, s, mask=keep)
+    for h in range(NUM_HEADS):
+        x = load_as_fp32(x_ptr, x_in[:, None] + (h * stride_x_head + d)[None, :], load_mask, EXACT)
+        if MODE == SCALE_TOKEN_HEAD:
+            s = dynamic_scale(group_amax(x), E5M2, POW2)
+        q = fp32_to_fp8_code(divide(x, s[:, None], False, EXACT, False), E5M2, EXACT)
+        c = row + h * stride_c_head
+        tl.store(dst + (c[:, None] + d[None, :]), q.to(tl.uint8), mask=mask)
+        if MODE == SCALE_TOKEN_HEAD:
+            if INLINE_PAD > 0:
+                j = tl.arange(0, INLINE_PAD)
+                bits = s.to(tl.int32, bitcast=True)   # s > 0: no sign bit to smear
+                byte = tl.where(j[None, :] < 4, (bits[:, None] >> ((8 * j) & 31)[None, :]) & 0xFF, 0)
+                tl.store(dst + (c[:, None] + HEAD_DIM + j[None, :]), byte.to(tl.uint8),
+                         mask=keep[:, None])
+            else:
+                tl.store(scale_dst + (scale_row + h * stride_sc_head), s, mask=keep)
 
 
 @jit(do_not_specialize=["num_tokens"])
@@ -25,9 +71,12 @@ def _write_kv_kernel(
     num_tokens, num_slots, stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
     value_cache_offset, key_scale_value, value_scale_value,
-    key_cache_out_ptr, value_cache_out_ptr,
+    stride_ksc_page, stride_ksc_slot, stride_ksc_head, stride_vsc_page, stride_vsc_slot,
+    stride_vsc_head,
+    key_cache_out_ptr, value_cache_out_ptr, key_scale_out_ptr, value_scale_out_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_D: tl.constexpr,
+    INLINE_PAD: tl.constexpr, SCALE_POW2: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
     KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr,
     IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr, RECIPROCAL_DIV: tl.constexpr,
@@ -53,8 +102,21 @@ def _write_kv_kernel(
                                CACHE_ALIGN)
     key_in = tl.multiple_of(tok * stride_key_token, IN_ALIGN)
     value_in = tl.multiple_of(tok * stride_value_token, IN_ALIGN)
+    K_STATIC: tl.constexpr = K_SCALE_MODE < SCALE_TOKEN
+    V_STATIC: tl.constexpr = V_SCALE_MODE < SCALE_TOKEN
+    if not K_STATIC:
+        _write_dynamic(key_ptr, key_in, stride_key_head, key_dst, key_row, stride_kc_head,
+                       key_scale_out_ptr, page * stride_ksc_page + off * stride_ksc_slot,
+                       stride_ksc_head, in_range, keep, K_SCALE_MODE, NUM_HEADS, HEAD_DIM, BLOCK_T,
+                       BLOCK_D, INLINE_PAD, E5M2, EXACT, SCALE_POW2)
+    if not V_STATIC:
+        _write_dynamic(value_ptr, value_in, stride_value_head, value_dst, value_row,
+                       stride_vc_head, value_scale_out_ptr,
+                       page * stride_vsc_page + off * stride_vsc_slot, stride_vsc_head, in_range,
+                       keep, V_SCALE_MODE, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_D, INLINE_PAD, E5M2,
+                       EXACT, SCALE_POW2)
     ROW: tl.constexpr = NUM_HEADS * HEAD_DIM
-    for start in tl.static_range(0, ROW, BLOCK_HD):
+    for start in tl.static_range(0, ROW if K_STATIC or V_STATIC else 0, BLOCK_HD):
         col = start + tl.arange(0, BLOCK_HD)
         col_mask = col < ROW
         head = col // HEAD_DIM
@@ -69,17 +131,23 @@ def _write_kv_kernel(
         # only the stores are masked by them.
         load_mask = in_range[:, None] & col_mask[None, :]
         mask = keep[:, None] & col_mask[None, :]
-        xk = load_as_fp32(key_ptr, key_in[:, None] + k_col[None, :], load_mask, EXACT)
-        xv = load_as_fp32(value_ptr, value_in[:, None] + v_col[None, :], load_mask, EXACT)
-        if K_SCALE_MODE != SCALE_NONE:
-            ks = load_scale(key_scale_ptr, key_scale_value, head, col_mask, K_SCALE_MODE)
-            xk = divide(xk, ks if K_SCALE_MODE != SCALE_HEAD else ks[None, :],
-                        K_SCALE_MODE != SCALE_HEAD, EXACT, RECIPROCAL_DIV)
-        if V_SCALE_MODE != SCALE_NONE:
-            vs = load_scale(value_scale_ptr, value_scale_value, head, col_mask, V_SCALE_MODE)
-            xv = divide(xv, vs if V_SCALE_MODE != SCALE_HEAD else vs[None, :],
-                        V_SCALE_MODE != SCALE_HEAD, EXACT, RECIPROCAL_DIV)
-        qk = fp32_to_fp8_code(xk, E5M2, EXACT).to(tl.uint8)
-        qv = fp32_to_fp8_code(xv, E5M2, EXACT).to(tl.uint8)
-        tl.store(key_dst + (key_row[:, None] + kc_col[None, :]), qk, mask=mask)
-        tl.store(value_dst + (value_row[:, None] + vc_col[None, :]), qv, mask=mask)
+        if K_STATIC:
+            xk = load_as_fp32(key_ptr, key_in[:, None] + k_col[None, :], load_mask, EXACT)
+        if V_STATIC:
+            xv = load_as_fp32(value_ptr, value_in[:, None] + v_col[None, :], load_mask, EXACT)
+        if K_STATIC:
+            if K_SCALE_MODE != SCALE_NONE:
+                ks = load_scale(key_scale_ptr, key_scale_value, head, col_mask, K_SCALE_MODE)
+                xk = divide(xk, ks if K_SCALE_MODE != SCALE_HEAD else ks[None, :],
+                            K_SCALE_MODE != SCALE_HEAD, EXACT, RECIPROCAL_DIV)
+            qk = fp32_to_fp8_code(xk, E5M2, EXACT).to(tl.uint8)
+        if V_STATIC:
+            if V_SCALE_MODE != SCALE_NONE:
+                vs = load_scale(value_scale_ptr, value_scale_value, head, col_mask, V_SCALE_MODE)
+                xv = divide(xv, vs if V_SCALE_MODE != SCALE_HEAD else vs[None, :],
+                            V_SCALE_MODE != SCALE_HEAD, EXACT, RECIPROCAL_DIV)
+            qv = fp32_to_fp8_code(xv, E5M2, EXACT).to(tl.uint8)
+        if K_STATIC:
+            tl.store(key_dst + (key_row[:, None] + kc_col[None, :]), qk, mask=mask)
+        if V_STATIC:
+            tl.store(value_dst + (value_row[:, None] + vc_col[None, :]), qv, mask=mask)
