@@ -1,7 +1,9 @@
 """Benchmarks of fp8kv against the code it replaces: ``python -m bench [--out DIR] [--only ...] [--quick]``.
 
 One process measures the device's copy bandwidth, then every table (torch write, write variants,
-page dequantization, a tuning sweep, and the JAX frontend last), and writes one CSV and one PNG per
-table plus ``summary.md``. Without CUDA it runs tiny sizes through Triton's CPU interpreter, which
-shows the harness works but says nothing about speed.
+page dequantization, eager calls against single-launch Triton anchors and an empty kernel, a
+tuning sweep, attention accuracy per scale scheme, and the JAX tables last), and writes one CSV
+and one PNG per table plus ``summary.md``. Without a CUDA GPU it says so first and runs only a
+short harness check through Triton's CPU interpreter: those numbers are not performance, and every
+title says so. Method: ``bench/NOTES.md``.
 """

@@ -40,30 +40,49 @@ class Config:
     jax_calls: int = 50
     jax_loop: int = 64          # writes per jitted fori_loop
     max_sets: int = 10          # input sets to rotate through (1 on the CPU: nothing to flush there)
+    # Eager-call tables (bench.eager, and the call tables of bench.jax_tables).
+    eager_cache_pages: int = 4096           # pages of 16 x 8 heads x 128 per K or V cache
+    eager_dequant_shapes: tuple[tuple[int, int], ...] = ((1, 4), (1, 64), (4, 256))
+    eager_write_tokens: tuple[int, ...] = (1, 32)
+    eager_warmup: int = 20      # untimed calls before the timed ones
+    eager_calls: int = 300      # back-to-back calls per timed repetition
+    eager_reps: int = 5         # repetitions; the median is reported
+    jax_call_tokens: tuple[int, ...] = (1, 256, 16384, 65536)
+    jax_cache_tokens: tuple[int, ...] = (256, 65536)
+    jax_cache_bytes: tuple[int, ...] = (4 * MiB, 256 * MiB, GiB, 8 * GiB)  # K and V each
+    jax_dequant_shapes: tuple[tuple[int, int], ...] = ((1, 64), (16, 512))
 
 
 def make_config(cuda: bool, quick: bool) -> Config:
-    """The sizes of the README tables on a GPU, a smoke test with ``quick``, tiny ones on the CPU."""
+    """The sizes of the README tables on a GPU, a smoke test with ``quick``, tiny ones on the CPU.
+
+    ``quick`` keeps every table but with fewer sizes and shorter timings (about a minute on a
+    GPU); the CPU configuration is a harness check through Triton's interpreter, not a benchmark.
+    """
     if not cuda:
         return Config(write_tokens=(1, 16, 64), variant_tokens=16, jax_tokens=(1, 16),
                       dequant_shapes=((2, 4, "2x4"),), sweep_write_tokens=(16,),
                       sweep_dequant=(2, 4, "2x4"), min_cache_bytes=MiB, dequant_cache_pages=64,
-                      copy_bytes=64 * MiB, jax_calls=3, jax_loop=4, max_sets=1)
+                      copy_bytes=64 * MiB, jax_calls=3, jax_loop=4, max_sets=1,
+                      eager_cache_pages=32, eager_dequant_shapes=((1, 4), (2, 8)),
+                      eager_warmup=1, eager_calls=2, eager_reps=1, jax_call_tokens=(1, 16),
+                      jax_cache_tokens=(16,), jax_cache_bytes=(MiB, 4 * MiB),
+                      jax_dequant_shapes=((1, 4), (2, 8)))
     if quick:
         return Config(write_tokens=(1, 256, 16384), variant_tokens=16384, jax_tokens=(1, 4096),
                       dequant_shapes=((4, 256, "4x256"), (64, 32, "64x32 decode mix")),
                       sweep_write_tokens=(16384, 16), sweep_dequant=(4, 256, "4x256"),
                       min_cache_bytes=64 * MiB, dequant_cache_pages=4096, copy_bytes=GiB,
                       warmup_ms=5, rep_ms=20, sweep_warmup_ms=5, sweep_rep_ms=10, wall_calls=50,
-                      jax_calls=10, jax_loop=16)
+                      jax_calls=10, jax_loop=16, eager_warmup=5, eager_calls=100, eager_reps=3,
+                      jax_call_tokens=(1, 256, 16384), jax_cache_tokens=(256,),
+                      jax_cache_bytes=(4 * MiB, 256 * MiB), jax_dequant_shapes=((1, 64), (4, 256)))
     return Config(write_tokens=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536), variant_tokens=65536,
                   jax_tokens=(1, 16, 256, 4096, 65536),
                   dequant_shapes=((16, 512, "16x512"), (4, 256, "4x256"),
                                   (64, 32, "64x32 decode mix")),
                   sweep_write_tokens=(65536, 256, 16), sweep_dequant=(16, 512, "16x512"),
                   min_cache_bytes=64 * MiB, dequant_cache_pages=16384, copy_bytes=GiB)
-
-
 
 
 def num_sets(cfg: Config, set_bytes: int) -> int:
@@ -184,3 +203,28 @@ def copy_bandwidth(timer: Timer, device: torch.device) -> float:
     src = dst = None  # free the buffers (the timed lambda holds the names)
     free_memory()
     return 2 * n / us / 1e3
+
+
+def back_to_back_us(fns, cfg: Config, cuda: bool) -> float:
+    """Wall time per call of back-to-back eager calls, as an engine's Python loop makes them.
+
+    ``cfg.eager_warmup`` untimed calls, then ``cfg.eager_reps`` repetitions of
+    ``cfg.eager_calls`` calls (cycling through ``fns``) with one ``torch.cuda.synchronize()`` at
+    the end of each; the median repetition's time divided by its calls, in microseconds. The host
+    queues calls while the GPU runs earlier ones, so this is the larger of the host's cost per
+    call and the device's, whichever binds. On the CPU nothing is asynchronous: it is the
+    interpreter's time, not a performance number.
+    """
+    fns = list(fns)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for i in range(cfg.eager_warmup):
+        fns[i % len(fns)]()
+    sync()
+    samples = []
+    for _ in range(cfg.eager_reps):
+        start = time.perf_counter()
+        for i in range(cfg.eager_calls):
+            fns[i % len(fns)]()
+        sync()
+        samples.append((time.perf_counter() - start) / cfg.eager_calls)
+    return statistics.median(samples) * 1e6

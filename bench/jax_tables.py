@@ -1,5 +1,10 @@
 """JAX tables: ``fp8kv_jax.write_kv`` against a jitted XLA scatter, and dequantize rows.
 
+Tables: ``write_jax`` (per jitted call and inside a jitted ``fori_loop``), ``write_jax_calls``
+(eager jitted calls, synced and pipelined), ``write_jax_cache_<tokens>`` (the same calls with
+caches of growing size) and ``dequant_jax_calls`` (eager jitted dequantize against an XLA gather);
+the ``dequant`` table gets fp8kv-jax rows.
+
 They run after every torch table: importing jax_triton 0.3.1 sets ``TRITON_CACHE_DIR`` to "", which
 breaks later torch-side Triton launches in the same process ; the variable is restored
 around the import and around the whole JAX phase anyway.
@@ -216,3 +221,230 @@ def add_dequant_rows(jax, fp8kv_jax, cfg: Config, table: Table) -> None:
             del outs
         except Exception as e:
             table.note(f"fp8kv-jax dequantize at {name} failed: {type(e).__name__}: {e}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager-call tables: one jitted call at a time, as a serving loop makes them.
+
+def _calls_us(jax, step, state, cfg: Config, synced: bool):
+    """Wall time per call of ``state = step(state)``, and the last state.
+
+    ``cfg.eager_warmup`` untimed calls, then ``cfg.eager_reps`` repetitions of ``cfg.eager_calls``
+    calls; the median repetition divided by its calls. ``synced``: ``block_until_ready`` after
+    every call (dispatch and device time add up); otherwise back-to-back calls and one
+    ``block_until_ready`` at the end (dispatch of the next call overlaps this one's device work).
+    """
+    for _ in range(cfg.eager_warmup):
+        state = jax.block_until_ready(step(state))
+    samples = []
+    for _ in range(cfg.eager_reps):
+        start = time.perf_counter()
+        if synced:
+            for _ in range(cfg.eager_calls):
+                state = jax.block_until_ready(step(state))
+        else:
+            for _ in range(cfg.eager_calls):
+                state = step(state)
+            state = jax.block_until_ready(state)
+        samples.append((time.perf_counter() - start) / cfg.eager_calls)
+    return statistics.median(samples) * 1e6, state
+
+
+CALL_MODES = (("synced", True), ("pipelined", False))
+
+
+def _calls_description(cfg: Config) -> str:
+    return (f"Per call: {cfg.eager_warmup} warm-up calls, then {cfg.eager_reps} repetitions of "
+            f"{cfg.eager_calls} calls, median. `synced`: `block_until_ready` after every call; "
+            "`pipelined`: back-to-back calls, one `block_until_ready` at the end. ")
+
+
+def _write_rows(jax, fp8kv_jax, cfg: Config, table: Table, name: str, size: int, tokens: int,
+                num_pages: int, cuda: bool, copy_gbps: float) -> bool | None:
+    """Time both writers (jitted, caches donated) in both call modes and add their rows.
+
+    Returns whether they wrote the same bytes at the slots (None when one of them failed).
+    """
+    import jax.numpy as jnp
+
+    row = HEADS * HEAD_DIM
+    rk, rv, rs = jax.random.split(jax.random.key(tokens), 3)
+    key = jax.random.normal(rk, (tokens, HEADS, HEAD_DIM), jnp.bfloat16)
+    value = jax.random.normal(rv, (tokens, HEADS, HEAD_DIM), jnp.bfloat16)
+    slots = jax.random.permutation(rs, num_pages * PAGE_SIZE)[:tokens].astype(jnp.int32)
+    scale = jnp.asarray(SCALE, jnp.float32)
+    nbytes = tokens * row * (2 * 2 + 2) + tokens * 4
+    shape = (num_pages, PAGE_SIZE, HEADS, HEAD_DIM)
+    written = []
+    for provider, write in (("fp8kv-jax", fp8kv_jax.write_kv), ("xla-scatter", xla_write)):
+        try:
+            call = jax.jit(write, donate_argnums=(2, 3))
+            caches = (jnp.zeros(shape, jnp.float8_e4m3fn), jnp.zeros(shape, jnp.float8_e4m3fn))
+            caches = jax.block_until_ready(tuple(call(key, value, *caches, slots, scale, scale)))
+            # Only the written rows are kept for the comparison: the caches may be GiBs.
+            written.append([jax.lax.bitcast_convert_type(c.reshape(-1, HEADS, HEAD_DIM)[slots],
+                                                         jnp.uint8) for c in caches])
+            for mode, synced in CALL_MODES:
+                us, caches = _calls_us(
+                    jax, lambda c: tuple(call(key, value, *c, slots, scale, scale)), caches, cfg,
+                    synced)
+                table.add(name, size, provider, mode, us, nbytes)
+            del caches
+        except Exception as e:  # report and go on: the other provider and sizes still count
+            table.note(f"{provider} at {name} failed: {type(e).__name__}: {e}")
+    if cuda:
+        table.add_roofline(name, size, nbytes, copy_gbps)
+    if len(written) != 2:
+        return None
+    return all(bool((a == b).all()) for a, b in zip(*written))
+
+
+def table_write_jax_calls(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool) -> Table:
+    """Eager jitted write calls, synced and pipelined, at 1 ... 65,536 tokens."""
+    pages = cfg.eager_cache_pages
+    table = Table(
+        "write_jax_calls", "Eager calls: write K/V from jax.jit (JAX)",
+        f"jax {jax.__version__}. `fp8kv-jax`: `jax.jit(fp8kv_jax.write_kv, donate_argnums=(2, 3))`;"
+        " `xla-scatter`: the same jit of `x.astype(f32) / s`, clip, cast, "
+        f"`cache.at[page, off].set(q)`. Caches {pages} pages x {PAGE_SIZE} x {HEADS} heads x "
+        f"{HEAD_DIM} e4m3 each, bf16 K/V, int32 random distinct slots, device scale. "
+        + _calls_description(cfg) + "Bytes: K and V read, fp8 written, slots read.",
+        xlabel="tokens written per call")
+    mismatched = []
+    for tokens in cfg.jax_call_tokens:
+        if tokens > pages * PAGE_SIZE:
+            table.note(f"{tokens} tokens skipped: more than the cache's {pages * PAGE_SIZE} slots")
+            continue
+        same = _write_rows(jax, fp8kv_jax, cfg, table, tokens_case(tokens), tokens, tokens, pages,
+                           cuda, copy_gbps)
+        if same is False:
+            mismatched.append(tokens)
+    if mismatched:
+        table.note(f"fp8kv-jax and xla-scatter wrote DIFFERENT bytes at {mismatched} tokens")
+    else:
+        table.note("fp8kv-jax and xla-scatter wrote identical bytes wherever both ran.")
+    return table
+
+
+def _available_bytes(jax, cuda: bool) -> int | None:
+    """Device memory a new buffer can still get (None when unknown)."""
+    try:
+        if cuda:
+            import torch
+            free = torch.cuda.mem_get_info()[0]
+            stats = jax.devices()[0].memory_stats() or {}
+            in_use = stats.get("bytes_in_use", 0)
+            # JAX's pool keeps freed blocks: they count as free for JAX but not for the driver.
+            free += max(0, stats.get("pool_bytes", in_use) - in_use)
+            if "bytes_limit" in stats:
+                free = min(free, stats["bytes_limit"] - in_use)
+            return int(free)
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except Exception:
+        return None
+
+
+def _mib(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
+
+
+def tables_write_jax_cache(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool):
+    """Yield one table per token count: the same calls with K and V caches of growing size.
+
+    A call whose donation does not take effect copies the whole cache, so its time grows with the
+    cache; an in-place write does not.
+    """
+    row = HEADS * HEAD_DIM
+    for tokens in cfg.jax_cache_tokens:
+        table = Table(
+            f"write_jax_cache_{tokens}",
+            f"Eager calls: write {tokens_case(tokens)} into caches of growing size (JAX)",
+            f"jax {jax.__version__}. The calls of the `write_jax_calls` table at {tokens:,} "
+            "tokens, with K and V caches of each size (each); a write that copied its cache "
+            "instead of updating the donated buffer would grow with the size. "
+            + _calls_description(cfg),
+            xlabel="K and V cache size, each (MiB)")
+        mismatched = []
+        for cache_bytes in cfg.jax_cache_bytes:
+            num_pages = cache_bytes // (PAGE_SIZE * row)
+            label = f"{_mib(cache_bytes)} caches"
+            if tokens > num_pages * PAGE_SIZE:
+                table.note(f"{label} skipped: {num_pages * PAGE_SIZE} slots, fewer than {tokens}")
+                continue
+            # K and V, room for a copy of both (a donation that does not happen), the inputs.
+            need = 4 * cache_bytes + 2 * tokens * row * 2 + 256 * (1 << 20)
+            available = _available_bytes(jax, cuda)
+            if available is not None and need > available:
+                table.note(f"{label} skipped: needs about {need / 2**30:.1f} GiB, "
+                           f"{available / 2**30:.1f} GiB free")
+                continue
+            same = _write_rows(jax, fp8kv_jax, cfg, table, label, cache_bytes >> 20, tokens,
+                               num_pages, cuda, copy_gbps)
+            if same is False:
+                mismatched.append(label)
+        if mismatched:
+            table.note(f"fp8kv-jax and xla-scatter wrote DIFFERENT bytes with {mismatched}")
+        else:
+            table.note("fp8kv-jax and xla-scatter wrote identical bytes wherever both ran.")
+        yield table
+
+
+def xla_dequant(key_cache, value_cache, block_table, key_scale, value_scale):
+    """The XLA baseline: gather the named pages, upcast, scale, round to bf16; plus the new
+    table."""
+    import jax.numpy as jnp
+
+    flat = block_table.reshape(-1)
+    key_pages, value_pages = ((c[flat].astype(jnp.float32) * s).astype(jnp.bfloat16)
+                              for c, s in ((key_cache, key_scale), (value_cache, value_scale)))
+    table = jnp.arange(flat.size, dtype=jnp.int32).reshape(block_table.shape)
+    return key_pages, value_pages, table
+
+
+def table_dequant_jax_calls(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool) -> Table:
+    """Eager jitted ``dequantize_pages`` calls against a jitted XLA gather + convert."""
+    import jax.numpy as jnp
+
+    table = Table(
+        "dequant_jax_calls", "Eager calls: dequantize pages from jax.jit (JAX)",
+        f"jax {jax.__version__}. `fp8kv-jax`: `jax.jit(fp8kv_jax.dequantize_pages)`; "
+        "`xla-gather`: the same jit of `(cache[table.reshape(-1)].astype(f32) * s)"
+        ".astype(bf16)` for K and V plus the arange table. Cases are batch x pages per sequence, "
+        f"random distinct pages of e4m3 caches of at least {cfg.eager_cache_pages} pages x "
+        f"{PAGE_SIZE} x {HEADS} heads x {HEAD_DIM}. " + _calls_description(cfg)
+        + "Bytes: fp8 pages read, bf16 pages written, table read and written.",
+        plot="bars")
+    mismatched = []
+    for batch, pages_per_seq in cfg.jax_dequant_shapes:
+        entries = batch * pages_per_seq
+        name = f"{batch}x{pages_per_seq} pages"
+        shape = (max(cfg.eager_cache_pages, entries), PAGE_SIZE, HEADS, HEAD_DIM)
+        rk, rv, rt = jax.random.split(jax.random.key(entries), 3)
+        key_cache = jax.random.normal(rk, shape, jnp.bfloat16).astype(jnp.float8_e4m3fn)
+        value_cache = jax.random.normal(rv, shape, jnp.bfloat16).astype(jnp.float8_e4m3fn)
+        block_table = (jax.random.permutation(rt, shape[0])[:entries].astype(jnp.int32)
+                       .reshape(batch, pages_per_seq))
+        args = (key_cache, value_cache, block_table, jnp.asarray(SCALE, jnp.float32),
+                jnp.asarray(2 * SCALE, jnp.float32))
+        nbytes = dequant_bytes(entries)
+        outputs = []
+        for provider, fn in (("fp8kv-jax", fp8kv_jax.dequantize_pages),
+                             ("xla-gather", xla_dequant)):
+            try:
+                call = jax.jit(fn)
+                outputs.append(jax.block_until_ready(tuple(call(*args))))
+                for mode, synced in CALL_MODES:
+                    us, _ = _calls_us(jax, lambda _: call(*args), None, cfg, synced)
+                    table.add(name, entries, provider, mode, us, nbytes)
+            except Exception as e:
+                table.note(f"{provider} at {name} failed: {type(e).__name__}: {e}")
+        if len(outputs) == 2 and not all(_bytes_equal(jax, a, b) for a, b in zip(*outputs)):
+            mismatched.append(name)
+        del outputs, args, key_cache, value_cache
+        if cuda:
+            table.add_roofline(name, entries, nbytes, copy_gbps)
+    if mismatched:
+        table.note(f"fp8kv-jax and xla-gather gave DIFFERENT pages for {mismatched}")
+    else:
+        table.note("fp8kv-jax and xla-gather gave identical pages and tables wherever both ran.")
+    return table

@@ -8,7 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from .results import Table  # noqa: E402
+from .results import Table, _num  # noqa: E402
 
 
 def _series(table: Table) -> dict[str, list]:
@@ -26,7 +26,8 @@ def _copy_line(ax, copy_gbps: float) -> None:
 
 
 def plot_table(table: Table, copy_gbps: float, path: Path) -> None:
-    """Save ``table`` as a PNG: time and GB/s against size (lines), or GB/s per case (bars)."""
+    """Save ``table`` as a PNG: time and GB/s against size (lines), GB/s per case (bars), or time
+    per call per case (time)."""
     if not table.rows:
         return
     series = _series(table)
@@ -46,6 +47,8 @@ def plot_table(table: Table, copy_gbps: float, path: Path) -> None:
         for ax in (ax_t, ax_b):
             ax.grid(True, which="both", alpha=0.3)
         ax_b.legend(fontsize=8)
+    elif table.plot == "time":
+        fig, ax_b = _time_bars(table)
     else:
         cases = list(dict.fromkeys(r.case for r in table.ordered()))
         fig, ax_b = plt.subplots(figsize=(max(8, 0.35 * len(cases) * len(series) + 3), 5.5))
@@ -61,7 +64,34 @@ def plot_table(table: Table, copy_gbps: float, path: Path) -> None:
         _copy_line(ax_b, copy_gbps)
         ax_b.grid(True, axis="y", alpha=0.3)
         ax_b.legend(fontsize=8)
-    fig.suptitle(table.title)
+    fig.suptitle(table.full_title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _time_bars(table: Table):
+    """Time per call, one group of bars per case and one bar per provider (and mode); rows of the
+    provider ``floor`` are horizontal dashed lines across the plot instead of bars."""
+    floors = [r for r in table.rows if r.provider == "floor"]
+    rows = [r for r in table.rows if r.provider != "floor"]
+    series: dict[str, list] = {}
+    for r in rows:
+        series.setdefault(f"{r.provider} ({r.mode})", []).append(r)
+    cases = list(dict.fromkeys(r.case for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 0.4 * len(cases) * max(len(series), 1) + 3), 5.5))
+    width = 0.8 / max(len(series), 1)
+    for i, (label, group) in enumerate(series.items()):
+        by_case = {r.case: r.time_us for r in group}
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(cases))]
+        values = [by_case.get(c, 0.0) for c in cases]
+        bars = ax.bar(xs, values, width, label=label)
+        ax.bar_label(bars, [_num(v) if v else "" for v in values], fontsize=7)
+    for r in floors:
+        ax.axhline(r.time_us, color="black", linestyle="--", linewidth=1,
+                   label=f"floor: {r.case} ({r.time_us:.3g} us)")
+    ax.set_xticks(range(len(cases)), cases, rotation=30, ha="right", fontsize=8)
+    ax.set(ylabel="wall time per call (us)", yscale="log")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig, ax

@@ -17,15 +17,17 @@ class Row:
 
     @property
     def gbps(self) -> float:
-        return self.nbytes / self.time_us / 1e3
+        return self.nbytes / self.time_us / 1e3 if self.time_us > 0 else 0.0
 
 
 @dataclass
 class Table:
     """One benchmark table: one CSV, one PNG and one markdown section.
 
-    ``plot`` is ``"lines"`` (time and GB/s against ``size``) or ``"bars"`` (GB/s per case);
+    ``plot`` is ``"lines"`` (time and GB/s against ``size``), ``"bars"`` (GB/s per case) or
+    ``"time"`` (time per call per case; rows of provider ``floor`` drawn as lines);
     ``sort`` lists rows fastest first (the sweep). ``notes`` collect skips and failures.
+    ``label`` (e.g. "CPU interpreter - not performance") is appended to the title everywhere.
     """
 
     key: str
@@ -36,6 +38,11 @@ class Table:
     sort: bool = False
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    label: str = ""
+
+    @property
+    def full_title(self) -> str:
+        return f"{self.title} ({self.label})" if self.label else self.title
 
     def add(self, case, size, provider, mode, time_us, nbytes) -> Row:
         row = Row(case, int(size), provider, mode, float(time_us), int(nbytes))
@@ -82,16 +89,18 @@ def write_csv(table: Table, copy_gbps: float, path: Path) -> None:
 
 def markdown(table: Table, copy_gbps: float, image: str | None = None) -> str:
     """The table's README section: title, what it measures, the numbers, notes, the plot."""
-    lines = [f"### {table.title}", "", table.description, ""]
+    lines = [f"### {table.full_title}", "", table.description, ""]
     if table.rows:
         lines += ["| case | provider | mode | time (us) | GB/s | % of copy |",
                   "| --- | --- | --- | ---: | ---: | ---: |"]
-        lines += [f"| {r.case} | {r.provider} | {r.mode} | {_num(r.time_us)} | {_num(r.gbps)} | "
-                  f"{_num(100 * r.gbps / copy_gbps)} |" for r in table.ordered()]
+        lines += [f"| {r.case} | {r.provider} | {r.mode} | {_num(r.time_us)} | "
+                  + (f"{_num(r.gbps)} | {_num(100 * r.gbps / copy_gbps)} |" if r.nbytes
+                     else "- | - |")
+                  for r in table.ordered()]
         lines.append("")
     lines += [f"- {n}" for n in table.notes]
     if table.notes:
         lines.append("")
     if image and table.rows:
-        lines += [f"![{table.title}]({image})", ""]
+        lines += [f"![{table.full_title}]({image})", ""]
     return "\n".join(lines)
