@@ -40,8 +40,10 @@ def planned_with(sizes: dict, backend: str, **entries):
 def _write_plan(case, backend: str) -> plan.LaunchPlan:
     """The plan the launcher makes for ``case`` now (the tile can override the warps)."""
     key, value, slots = case.sets[0]
-    args = check_write(info(key), info(value), info(case.key_cache), info(case.value_cache),
-                       info(slots), scale_arg(case.key_scale), scale_arg(case.value_scale),
+    args = check_write(info(key, "key"), info(value, "value"), info(case.key_cache, "key_cache"),
+                       info(case.value_cache, "value_cache"), info(slots, "slots"),
+                       scale_arg(case.key_scale, "key_scale"),
+                       scale_arg(case.value_scale, "value_scale"),
                        layout=case.layout, fp8_format=None)
     return plan.plan_write(args, backend)
 
