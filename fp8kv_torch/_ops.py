@@ -35,14 +35,16 @@ def join_scale_cache(tensor, inline):
     return "inline" if inline else tensor
 
 
+# No defaults in the ops' schemas: torch (2.11) drops trailing default arguments when it
+# redispatches, and then cannot find a mutated one by position. Every caller passes every argument.
 @torch.library.custom_op("fp8kv::write_kv", mutates_args=("key_cache", "value_cache",
                                                          "key_scale_cache", "value_scale_cache"))
 def write_kv_op(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Optional[Tensor],
                 slots: Tensor, key_scale: Optional[Tensor], value_scale: Optional[Tensor],
                 key_scale_value: Optional[float], value_scale_value: Optional[float], layout: str,
-                fp8_format: Optional[str], key_scale_cache: Optional[Tensor] = None,
-                value_scale_cache: Optional[Tensor] = None, key_scale_inline: bool = False,
-                value_scale_inline: bool = False, scale_rounding: str = "exact") -> None:
+                fp8_format: Optional[str], key_scale_cache: Optional[Tensor],
+                value_scale_cache: Optional[Tensor], key_scale_inline: bool,
+                value_scale_inline: bool, scale_rounding: str) -> None:
     _launch.write_kv(key, value, key_cache, value_cache, slots, join_scale(key_scale, key_scale_value),
                      join_scale(value_scale, value_scale_value), layout, fp8_format,
                      key_scale_cache=join_scale_cache(key_scale_cache, key_scale_inline),
@@ -69,9 +71,9 @@ def dequantize_pages_op(key_cache: Tensor, value_cache: Optional[Tensor], block_
                         key_scale_value: Optional[float], value_scale_value: Optional[float],
                         layout: str, fp8_format: Optional[str], null_page: Optional[int],
                         key_out: Tensor, value_out: Optional[Tensor], table_out: Tensor,
-                        key_scale_cache: Optional[Tensor] = None,
-                        value_scale_cache: Optional[Tensor] = None, key_scale_inline: bool = False,
-                        value_scale_inline: bool = False, head_dim: Optional[int] = None) -> None:
+                        key_scale_cache: Optional[Tensor], value_scale_cache: Optional[Tensor],
+                        key_scale_inline: bool, value_scale_inline: bool,
+                        head_dim: Optional[int]) -> None:
     _launch.dequantize_pages(key_cache, value_cache, block_table,
                              join_scale(key_scale, key_scale_value),
                              join_scale(value_scale, value_scale_value), key_out.dtype, layout,

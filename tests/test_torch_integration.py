@@ -26,7 +26,8 @@ def test_opcheck_write_kv(device):
     torch.library.opcheck(torch.ops.fp8kv.write_kv.default,
                           (t["key"], t["value"], t["key_cache"].view(torch.uint8),
                            t["value_cache"].view(torch.uint8), t["slots"],
-                           t["key_scale"], None, None, 0.5, "NHD", None),
+                           t["key_scale"], None, None, 0.5, "NHD", None, None, None, False, False,
+                           "exact"),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -37,7 +38,8 @@ def test_opcheck_dequantize_pages(device):
             torch.empty(4, 4, 2, 64, dtype=torch.bfloat16, device=device),
             torch.empty(2, 2, dtype=torch.int32, device=device))
     torch.library.opcheck(torch.ops.fp8kv.dequantize_pages.default,
-                          (cache, cache, table, None, None, 0.5, None, "NHD", "e5m2", 0, *outs),
+                          (cache, cache, table, None, None, 0.5, None, "NHD", "e5m2", 0, *outs,
+                           None, None, False, False, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 
