@@ -327,7 +327,7 @@ def test_shard_map_one_device():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU or len(jax.devices()) < 2,
-                    reason="needs JAX on 2 NVIDIA GPUs (the nvidia-h200-x2 machine runs it)")
+                    reason="needs JAX on 2 NVIDIA GPUs")
 def test_shard_map_two_gpus_matches_unsharded():
     """Two GPUs, each holding 2 of the 4 kv heads: jax-triton launches on both devices."""
     mesh = Mesh(np.array(jax.devices()[:2]), (HEADS,))

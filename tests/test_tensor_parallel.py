@@ -17,6 +17,6 @@ def test_two_cpu_ranks_gloo_match_single_device():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs 2 CUDA GPUs (NCCL ranks); the nvidia-h200-x2 machine runs it")
+                    reason="needs 2 CUDA GPUs (NCCL ranks)")
 def test_two_gpu_ranks_nccl_match_single_device():
     assert tp.spawn(2, "nccl", port=29532)
