@@ -96,6 +96,12 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
     block_t = max(1, sizes["tile"] // block_hd)
     if backend == INTERPRET:  # no compile cost here: fit the tile to the batch
         block_t = min(block_t, triton.next_power_of_2(max(args.num_tokens, 1)))
+    block_h, block_d = triton.next_power_of_2(kc.num_heads), triton.next_power_of_2(kc.head_dim)
+    if args.key_scale_mode.dynamic or args.value_scale_mode.dynamic:
+        # A dynamic side takes whole rows as [BLOCK_T, BLOCK_H, BLOCK_D] tiles.
+        block_t = max(1, sizes["tile"] // (block_h * block_d))
+        if backend == INTERPRET:
+            block_t = min(block_t, triton.next_power_of_2(max(args.num_tokens, 1)))
     small = args.num_tokens * row <= sizes["small_batch_elems"]
     key, value = args.key, args.value
     scalars = dict(
@@ -110,9 +116,7 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
     constexprs = dict(
         NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
         BLOCK_T=block_t, BLOCK_HD=block_hd,
-        # Dynamic scales: sides whose mode is dynamic go head by head in BLOCK_D columns (a
-        # whole head per tile: its amax is one row reduction).
-        BLOCK_D=triton.next_power_of_2(max(kc.head_dim, 1)), INLINE_PAD=args.inline_pad,
+        BLOCK_H=block_h, BLOCK_D=block_d, INLINE_PAD=args.inline_pad,
         SCALE_POW2=args.scale_pow2,
         K_SCALE_MODE=int(args.key_scale_mode), V_SCALE_MODE=int(args.value_scale_mode),
         E5M2=args.fmt.name == "e5m2", EXACT=_exact(backend, exact),
@@ -143,6 +147,14 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
     kc, vc = args.key_cache, args.value_cache
     page_elems = kc.page_size * kc.num_heads * kc.head_dim
     block = min(triton.next_power_of_2(max(page_elems, 1)), sizes["block"])
+    # Dynamic scales: [ROWS, BLOCK_D] tiles of whole head rows (one scale per row).
+    rowwise = args.key_scale_mode.dynamic or args.value_scale_mode.dynamic
+    block_d = triton.next_power_of_2(max(kc.head_dim, 1))
+    if rowwise:
+        block = max(block, block_d)
+        chunks = triton.cdiv(kc.page_size * kc.num_heads, block // block_d)
+    else:
+        chunks = triton.cdiv(page_elems, block)
     table = args.block_table
     scalars = dict(
         pages_per_seq=max(args.pages_per_seq, 1), stride_table_seq=table.strides[0],
@@ -158,8 +170,8 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
         **_scale_strides("ksc", args.key_scale_cache), **_scale_strides("vsc", args.value_scale_cache))
     constexprs = dict(
         NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
-        HND=args.layout == "HND" and args.cache_rank == 4, BLOCK=block,
-        INLINE_PAD=args.inline_pad,
+        HND=args.layout == "HND" and args.cache_rank == 4, BLOCK=block, BLOCK_D=block_d,
+        ROWWISE=rowwise, INLINE_PAD=args.inline_pad,
         K_SCALE_MODE=int(args.key_scale_mode), V_SCALE_MODE=int(args.value_scale_mode),
         E5M2=args.fmt.name == "e5m2", OUT_KIND=int(OUT_KIND_OF_DTYPE[args.out_dtype]),
         EXACT=_exact(backend, exact), HAS_NULL_PAGE=args.null_page is not None,
@@ -170,5 +182,5 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
         OUT_ALIGN=pow2_divisor(ko.stride_page, ko.stride_slot, ko.stride_head, vo.stride_page,
                                vo.stride_slot, vo.stride_head, vo.offset),
         SHARED_OUT=combined_out)
-    grid = (args.batch * args.pages_per_seq * triton.cdiv(page_elems, block),)
+    grid = (args.batch * args.pages_per_seq * chunks,)
     return LaunchPlan(grid, sizes["num_warps"], scalars, constexprs)

@@ -9,11 +9,13 @@ cached, and fails the same way every time.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
-from fp8kv.binding import BoundCall, bind
+from fp8kv.binding import BoundCall, bind, signature
 from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
 from fp8kv.validate import check_dequantize, check_out, check_write, dequantized_shape
 
@@ -49,6 +51,12 @@ def _backend(t: torch.Tensor, name: str) -> str:
     raise ValueError(f"{name}: expected a CUDA or CPU tensor, got device {t.device}")
 
 
+def _operand_index(names: tuple, param: str) -> int:
+    """Which operand a kernel parameter takes: ``X_ptr`` (read) and ``X_out_ptr`` (written) are
+    both operand ``X`` -- a cache is read and written through the one tensor."""
+    return names.index(param.removesuffix("_ptr").removesuffix("_out"))
+
+
 class _ReadyLaunch:
     """A kernel bound to its grid, scalars and constexprs: one launch per call.
 
@@ -57,24 +65,26 @@ class _ReadyLaunch:
     argument binding and specialization (~10 us); under the interpreter, the interpreted kernel.
     """
 
-    __slots__ = ("launch", "inputs", "outputs", "scalars", "outputs_spec")
+    __slots__ = ("launch", "outputs_spec")
 
     def __init__(self, kernel, launched, call: BoundCall, plan: LaunchPlan, backend: str,
-                 outputs_spec=None):
-        self.inputs, self.outputs = call.signature.inputs, call.signature.outputs
-        self.scalars = call.scalars
+                 names: tuple, outputs_spec=None):
+        """``names``: the parameter name of each operand, in the order the op passes them."""
         self.outputs_spec = outputs_spec  # what an allocating call allocates
+        sig, scalars = call.signature, call.scalars
+        # Operands -> the kernel's order, by index (a C-level getter: no dict per call).
+        inputs = operator.itemgetter(*[_operand_index(names, n) for n in sig.inputs], 0)
+        outputs = operator.itemgetter(*[_operand_index(names, n) for n in sig.outputs], 0)
         if backend == CUDA:
             runner = launched[plan.grid + (1,) * (3 - len(plan.grid))]
             tail = tuple(call.constexprs.values())
-            self.launch = lambda args: runner(*args, *tail)
+            self.launch = lambda operands: runner(*inputs(operands)[:-1], *scalars,
+                                                    *outputs(operands)[:-1], *tail)
         else:
             runner = ops.kernel_for(kernel, True)[plan.grid]
-            self.launch = lambda args: runner(*args, num_warps=plan.num_warps, **call.constexprs)
-
-    def __call__(self, arrays: dict) -> None:
-        self.launch((*[arrays[n] for n in self.inputs], *self.scalars,
-                     *[arrays[n] for n in self.outputs]))
+            self.launch = lambda operands: runner(
+                *inputs(operands)[:-1], *scalars, *outputs(operands)[:-1],
+                num_warps=plan.num_warps, **call.constexprs)
 
 
 _READY: dict = {}
@@ -88,12 +98,6 @@ def clear_launch_caches() -> None:
     _READY.clear()
 
 
-def _tensor_key(t):
-    if t is None or not isinstance(t, torch.Tensor):
-        return t  # None, or a host scale (its value is part of the plan)
-    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
-
-
 def _find_ready(op: str, tensors, options):
     """``(key, ready launch or None)`` for a call; key None where no ready launch may serve it:
     tensors on a CUDA device other than the current one (they launch under a device guard), or
@@ -102,17 +106,24 @@ def _find_ready(op: str, tensors, options):
     if not isinstance(first, torch.Tensor) or (
             first.is_cuda and first.get_device() != torch.cuda.current_device()):
         return None, None
-    key = (op, options, *map(_tensor_key, tensors))
+    # Per tensor: what validation and the plan read of it; anything else (None, a host scale,
+    # "inline") as it is -- its value is part of the plan.
+    key = (op, options, *[(t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
+                          if isinstance(t, torch.Tensor) else t for t in tensors])
     try:
         return key, _READY.get(key)
     except TypeError:  # unhashable: not a tensor or a number
         return None, None
 
 
-def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, arrays: dict,
-            ready_key=None, outputs_spec=None) -> None:
-    """Launch through Triton's own entry point; keep it ready under ``ready_key``."""
-    call = bind(kernel, plan, arrays)
+def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, names: tuple,
+            operands: tuple, ready_key=None, outputs_spec=None) -> None:
+    """Launch through Triton's own entry point; keep it ready under ``ready_key``.
+
+    ``operands``: the kernel's arrays, each named by ``names`` (a parameter name)."""
+    sig = signature(kernel)
+    call = bind(kernel, plan, {p: operands[_operand_index(names, p)]
+                               for p in sig.inputs + sig.outputs})
     runnable = ops.kernel_for(kernel, backend == INTERPRET)
     launch = runnable[plan.grid]
     options = dict(num_warps=plan.num_warps, enable_fp_fusion=plan.enable_fp_fusion)
@@ -124,7 +135,8 @@ def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, arrays
     if ready_key is not None and (backend == INTERPRET or hasattr(launched, "__getitem__")):
         if len(_READY) >= _READY_LIMIT:
             _READY.clear()
-        _READY[ready_key] = _ReadyLaunch(kernel, launched, call, plan, backend, outputs_spec)
+        _READY[ready_key] = _ReadyLaunch(kernel, launched, call, plan, backend, names,
+                                         outputs_spec)
 
 
 def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
@@ -136,8 +148,8 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
     validates (the fake implementation of the custom op).
     """
     combined = value_cache is None
-    arrays = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale,
-                             key_scale_cache, value_scale_cache)
+    operands = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale,
+                               key_scale_cache, value_scale_cache)
     ready_key = None
     if launch and exact is None:
         ready_key, ready = _find_ready("write", (key, value, key_cache, value_cache, slots,
@@ -145,7 +157,7 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
                                                  value_scale_cache),
                                        (layout, fp8_format, scale_rounding))
         if ready is not None:
-            return ready(arrays)
+            return ready.launch(operands)
     args = check_write(
         info(key, "key"), info(value, "value"), None if combined else info(key_cache, "key_cache"),
         None if combined else info(value_cache, "value_cache"), info(slots, "slots"),
@@ -159,21 +171,20 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
     plan = plan_write(args, backend, exact)
     if plan.empty or not launch:
         return
-    _launch(ops._write_kv_kernel, plan, backend, key.device, arrays, ready_key)
+    _launch(ops._write_kv_kernel, plan, backend, key.device, WRITE_OPERANDS, operands, ready_key)
+
+
+WRITE_OPERANDS = ("key", "value", "key_cache", "value_cache", "slot", "key_scale", "value_scale")
 
 
 def _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale,
-                    key_scale_cache=None, value_scale_cache=None) -> dict:
-    """The kernel's arrays by name. Each cache is an input and an output; a combined cache
-    (``value_cache`` None) is both caches, the plan's offset finding V in it. A side scale array
-    takes the static scale's place as input and is also the scale output."""
-    value_cache = key_cache if value_cache is None else value_cache
-    key_scale = _pointer_or(key_scale_cache, _pointer_or(key_scale, slots))
-    value_scale = _pointer_or(value_scale_cache, _pointer_or(value_scale, slots))
-    return dict(key_ptr=key, value_ptr=value, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
-                slot_ptr=slots, key_scale_ptr=key_scale, value_scale_ptr=value_scale,
-                key_cache_out_ptr=key_cache, value_cache_out_ptr=value_cache,
-                key_scale_out_ptr=key_scale, value_scale_out_ptr=value_scale)
+                    key_scale_cache=None, value_scale_cache=None) -> tuple:
+    """The kernel's arrays, named by WRITE_OPERANDS. Each cache is read and written; a combined
+    cache (``value_cache`` None) is both caches, the plan's offset finding V in it. A side scale
+    array takes the static scale's place and is written too."""
+    return (key, value, key_cache, key_cache if value_cache is None else value_cache, slots,
+            _pointer_or(key_scale_cache, _pointer_or(key_scale, slots)),
+            _pointer_or(value_scale_cache, _pointer_or(value_scale, slots)))
 
 
 def _pointer_or(scale, placeholder):
@@ -181,16 +192,18 @@ def _pointer_or(scale, placeholder):
     return scale if isinstance(scale, torch.Tensor) else placeholder
 
 
+DEQUANTIZE_OPERANDS = ("key_cache", "value_cache", "table", "key_scale", "value_scale", "key",
+                       "value", "new_table")
+
+
 def _dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale, outs,
-                         key_scale_cache=None, value_scale_cache=None) -> dict:
+                         key_scale_cache=None, value_scale_cache=None) -> tuple:
+    """The kernel's arrays, named by DEQUANTIZE_OPERANDS (``key``/``value``: the outputs)."""
     key_out, value_out, table_out = outs
-    return dict(key_cache_ptr=key_cache,
-                value_cache_ptr=key_cache if value_cache is None else value_cache,
-                table_ptr=block_table,
-                key_scale_ptr=_pointer_or(key_scale_cache, _pointer_or(key_scale, block_table)),
-                value_scale_ptr=_pointer_or(value_scale_cache, _pointer_or(value_scale, block_table)),
-                key_out_ptr=key_out,
-                value_out_ptr=key_out if value_out is None else value_out, new_table_ptr=table_out)
+    return (key_cache, key_cache if value_cache is None else value_cache, block_table,
+            _pointer_or(key_scale_cache, _pointer_or(key_scale, block_table)),
+            _pointer_or(value_scale_cache, _pointer_or(value_scale, block_table)),
+            key_out, key_out if value_out is None else value_out, table_out)
 
 
 def _allocate(spec, device) -> tuple:
@@ -221,8 +234,8 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
                                         outs is None))
         if ready is not None:
             outs = outs or _allocate(ready.outputs_spec, key_cache.device)
-            ready(_dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale,
-                                       outs, key_scale_cache, value_scale_cache))
+            ready.launch(_dequantize_operands(key_cache, value_cache, block_table, key_scale,
+                                              value_scale, outs, key_scale_cache, value_scale_cache))
             return outs
     args = check_dequantize(
         None if combined else info(key_cache, "key_cache"),
@@ -249,7 +262,7 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
                            None if combined else info(value_out, "out[1]"), backend, exact)
     if plan.empty or not launch:
         return outs
-    _launch(ops._dequantize_pages_kernel, plan, backend, key_cache.device,
+    _launch(ops._dequantize_pages_kernel, plan, backend, key_cache.device, DEQUANTIZE_OPERANDS,
             _dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale, outs,
                                  key_scale_cache, value_scale_cache),
             ready_key, spec)

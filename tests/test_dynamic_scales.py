@@ -243,6 +243,28 @@ def test_mixed_static_key_dynamic_value(device):
     np.testing.assert_array_equal(bits(t["value_scale_cache"]), as_uint(want[3]))
 
 
+@pytest.mark.parametrize("key_scale", ["float", "per-head"])
+def test_mixed_static_key_dynamic_value_round_trip(device, key_scale):
+    """A static K scale (host float, or one per head) beside a dynamic V, written and read back."""
+    case = DynCase(granularity="token_head")
+    x = inputs(case)
+    x["key_scale_cache"] = None
+    ks = 0.5 if key_scale == "float" else np.linspace(0.25, 2.0, case.heads).astype(np.float32)
+    want = ref.write_kv(x["key"], x["value"], x["key_cache"], x["value_cache"], x["slots"], ks,
+                        layout="NHD", value_scale_cache=x["value_scale_cache"])
+    t = {k: _t(v, device) for k, v in x.items()}
+    t_ks = ks if key_scale == "float" else _t(ks, device)
+    fp8kv_torch.write_kv(**t, key_scale=t_ks)
+    np.testing.assert_array_equal(bits(t["key_cache"]), as_uint(want[0]))
+    table = np.array([[2, -1, 0]], dtype=np.int32)
+    rk, rv, _ = ref.dequantize_pages(want[0], want[1], table, ks, layout="NHD",
+                                     value_scale_cache=want[3])
+    k, v, _ = fp8kv_torch.dequantize_pages(t["key_cache"], t["value_cache"], _t(table, device),
+                                           t_ks, value_scale_cache=t["value_scale_cache"])
+    np.testing.assert_array_equal(bits(k), as_uint(rk))
+    np.testing.assert_array_equal(bits(v), as_uint(rv))
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors: raised before anything is written.
 

@@ -202,13 +202,13 @@ def fp32_to_output_bits(v, OUT_KIND: tl.constexpr, EXACT: tl.constexpr):
 
 
 @jit
-def group_amax(x):
-    """``max |x|`` along axis 1 of fp32 ``x``, NaNs counted as 0 (masked elements must be 0).
+def max_combine(a, b):
+    """Combiner of ``tl.reduce`` for an amax: inputs are NaN-free (NaNs were replaced by 0).
 
-    ``tl.reduce`` with the standard max combiner rather than ``tl.max``: the latter is a jitted
-    library function that the interpreter cannot call from a process that compiles too.
+    Our own jitted function rather than ``tl.max``'s library combiner, so that the interpreter
+    twin (:mod:`fp8kv.ops._dual`) rebinds it like every other helper.
     """
-    return tl.reduce(tl.where(x != x, 0.0, tl.abs(x)), 1, tl.standard._elementwise_max)
+    return tl.maximum(a, b)
 
 
 @jit

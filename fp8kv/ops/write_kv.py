@@ -13,9 +13,8 @@ caches, V ``value_cache_offset`` elements in; with ``SHARED_OUT`` V is written t
 pointer, for frontends that give each buffer one output (jax-triton).
 
 Dynamic scales (``K_SCALE_MODE`` / ``V_SCALE_MODE`` TOKEN or TOKEN_HEAD) take the other loop,
-:func:`_write_dynamic`: head by head, a whole head per ``[BLOCK_T, BLOCK_D]`` tile, its amax one row
-reduction (per token: a first pass over the heads for the amax, then the quantize pass re-reads
-them). Each scale goes to ``*_scale_out_ptr`` (a side array, bound to the same buffer as
+:func:`_write_dynamic`: a ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tile of whole rows, the amax a reduction
+over the head's dims (and, per token, over the heads). Each scale goes to ``*_scale_out_ptr`` (a side array, bound to the same buffer as
 ``*_scale_ptr``) or, with ``INLINE_PAD``, as 4 little-endian bytes (then zeros up to ``INLINE_PAD``)
 right after the head's ``HEAD_DIM`` codes in the cache row. The static-scale loop is unchanged;
 a dynamic side is compiled out of it.
@@ -24,45 +23,51 @@ import triton.language as tl
 
 from ._dual import jit
 from .fp8_math import (SCALE_HEAD, SCALE_NONE, SCALE_TOKEN, SCALE_TOKEN_HEAD, divide,
-                       dynamic_scale, fp32_to_fp8_code, group_amax, load_as_fp32, load_scale)
+                       dynamic_scale, fp32_to_fp8_code, load_as_fp32, load_scale, max_combine)
 
 
 @jit
 def _write_dynamic(x_ptr, x_in, stride_x_head, dst, row, stride_c_head, scale_dst, scale_row,
                    stride_sc_head, in_range, keep, MODE: tl.constexpr, NUM_HEADS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                   INLINE_PAD: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
-                   POW2: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_D: tl.constexpr, INLINE_PAD: tl.constexpr, E5M2: tl.constexpr,
+                   EXACT: tl.constexpr, POW2: tl.constexpr, IN_ALIGN: tl.constexpr,
+                   CACHE_ALIGN: tl.constexpr):
     """Quantize one side (K or V) of ``BLOCK_T`` tokens with dynamic scales and store codes and
-    scales. ``row``/``scale_row``: each token's cache row / scale offset (int64)."""
+    scales. The tile is ``[BLOCK_T, BLOCK_H, BLOCK_D]`` (token, head, dim): one load, the amax a
+    reduction over the dims (and the heads, per token), one store -- no loop over heads, so every
+    load of the row is in flight at once. ``row``/``scale_row``: each token's cache row / scale
+    offset (int64)."""
+    h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    load_mask = in_range[:, None] & d_mask[None, :]
-    mask = keep[:, None] & d_mask[None, :]
+    h_mask = h < NUM_HEADS
+    hd_mask = h_mask[:, None] & (d < HEAD_DIM)[None, :]
+    x_col = tl.multiple_of(h * stride_x_head, IN_ALIGN)[:, None] + d[None, :]
+    x = load_as_fp32(x_ptr, x_in[:, None, None] + x_col[None, :, :],
+                     in_range[:, None, None] & hd_mask[None, :, :], EXACT)
+    amax = tl.reduce(tl.where(x != x, 0.0, tl.abs(x)), 2, max_combine)     # [T, H]
     if MODE == SCALE_TOKEN:
-        amax = tl.full([BLOCK_T], 0.0, tl.float32)
-        for h in range(NUM_HEADS):
-            x = load_as_fp32(x_ptr, x_in[:, None] + (h * stride_x_head + d)[None, :], load_mask,
-                             EXACT)
-            amax = tl.maximum(amax, group_amax(x))
-        s = dynamic_scale(amax, E5M2, POW2)
+        s = dynamic_scale(tl.reduce(amax, 1, max_combine), E5M2, POW2)      # [T]
+        q = fp32_to_fp8_code(divide(x, s[:, None, None], False, EXACT, False), E5M2, EXACT)
         tl.store(scale_dst + scale_row, s, mask=keep)
-    for h in range(NUM_HEADS):
-        x = load_as_fp32(x_ptr, x_in[:, None] + (h * stride_x_head + d)[None, :], load_mask, EXACT)
-        if MODE == SCALE_TOKEN_HEAD:
-            s = dynamic_scale(group_amax(x), E5M2, POW2)
-        q = fp32_to_fp8_code(divide(x, s[:, None], False, EXACT, False), E5M2, EXACT)
-        c = row + h * stride_c_head
-        tl.store(dst + (c[:, None] + d[None, :]), q.to(tl.uint8), mask=mask)
-        if MODE == SCALE_TOKEN_HEAD:
-            if INLINE_PAD > 0:
-                j = tl.arange(0, INLINE_PAD)
-                bits = s.to(tl.int32, bitcast=True)   # s > 0: no sign bit to smear
-                byte = tl.where(j[None, :] < 4, (bits[:, None] >> ((8 * j) & 31)[None, :]) & 0xFF, 0)
-                tl.store(dst + (c[:, None] + HEAD_DIM + j[None, :]), byte.to(tl.uint8),
-                         mask=keep[:, None])
-            else:
-                tl.store(scale_dst + (scale_row + h * stride_sc_head), s, mask=keep)
+    else:
+        s = dynamic_scale(amax, E5M2, POW2)                                   # [T, H]
+        q = fp32_to_fp8_code(divide(x, s[:, :, None], False, EXACT, False), E5M2, EXACT)
+    c_head = tl.multiple_of(h * stride_c_head, CACHE_ALIGN)
+    tl.store(dst + (row[:, None, None] + (c_head[:, None] + d[None, :])[None, :, :]),
+             q.to(tl.uint8), mask=keep[:, None, None] & hd_mask[None, :, :])
+    if MODE == SCALE_TOKEN_HEAD:
+        th_mask = keep[:, None] & h_mask[None, :]
+        if INLINE_PAD > 0:
+            j = tl.arange(0, INLINE_PAD)
+            bits = s.to(tl.int32, bitcast=True)   # s > 0: no sign bit to smear
+            byte = tl.where(j[None, None, :] < 4,
+                            (bits[:, :, None] >> ((8 * j) & 31)[None, None, :]) & 0xFF, 0)
+            tl.store(dst + (row[:, None, None] + (c_head + HEAD_DIM)[None, :, None]
+                            + j[None, None, :]), byte.to(tl.uint8), mask=th_mask[:, :, None])
+        else:
+            tl.store(scale_dst + (scale_row[:, None] + (h * stride_sc_head)[None, :]), s,
+                     mask=th_mask)
 
 
 @jit(do_not_specialize=["num_tokens"])
@@ -75,7 +80,7 @@ def _write_kv_kernel(
     stride_vsc_head,
     key_cache_out_ptr, value_cache_out_ptr, key_scale_out_ptr, value_scale_out_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     INLINE_PAD: tl.constexpr, SCALE_POW2: tl.constexpr,
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
     KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr,
@@ -108,13 +113,13 @@ def _write_kv_kernel(
         _write_dynamic(key_ptr, key_in, stride_key_head, key_dst, key_row, stride_kc_head,
                        key_scale_out_ptr, page * stride_ksc_page + off * stride_ksc_slot,
                        stride_ksc_head, in_range, keep, K_SCALE_MODE, NUM_HEADS, HEAD_DIM, BLOCK_T,
-                       BLOCK_D, INLINE_PAD, E5M2, EXACT, SCALE_POW2)
+                       BLOCK_H, BLOCK_D, INLINE_PAD, E5M2, EXACT, SCALE_POW2, IN_ALIGN, CACHE_ALIGN)
     if not V_STATIC:
         _write_dynamic(value_ptr, value_in, stride_value_head, value_dst, value_row,
                        stride_vc_head, value_scale_out_ptr,
                        page * stride_vsc_page + off * stride_vsc_slot, stride_vsc_head, in_range,
-                       keep, V_SCALE_MODE, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_D, INLINE_PAD, E5M2,
-                       EXACT, SCALE_POW2)
+                       keep, V_SCALE_MODE, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H, BLOCK_D,
+                       INLINE_PAD, E5M2, EXACT, SCALE_POW2, IN_ALIGN, CACHE_ALIGN)
     ROW: tl.constexpr = NUM_HEADS * HEAD_DIM
     for start in tl.static_range(0, ROW if K_STATIC or V_STATIC else 0, BLOCK_HD):
         col = start + tl.arange(0, BLOCK_HD)
