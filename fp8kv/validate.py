@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
+import numpy as np
+
 from .arrays import ArrayInfo, fmt_shape
 from .formats import (CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, INPUT_DTYPES, OUTPUT_DTYPES,
                       SLOT_DTYPES, Fp8Format)
@@ -365,3 +367,31 @@ def check_out(out: ArrayInfo, name: str, shape, dtype: str, device: str) -> None
     if out.device != device:
         raise ValueError(f"{name}: expected device {device}, got {out.device}")
     check_unit_last_stride(out, name)
+
+
+def check_slots_in_range(slots, num_slots: int) -> None:
+    """The opt-in bounds check of ``write_kv``: every non-negative slot names a cache row.
+
+    ``slots``: the slot values on the host (a NumPy array). Negative slots are padding.
+    """
+    bad = np.flatnonzero(np.asarray(slots) >= num_slots)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"slots: expected every slot < {num_slots} (num_pages * page_size) or "
+                         f"< 0 (padding), got {bad.size} past the cache, the first slots[{i}] = "
+                         f"{int(np.asarray(slots)[i])}")
+
+
+def check_table_in_range(block_table, num_pages: int, null_page: int | None) -> None:
+    """The opt-in bounds check of ``dequantize_pages``: every entry names a page or is padding
+    (< 0, or ``null_page``)."""
+    table = np.asarray(block_table)
+    past = table >= num_pages
+    if null_page is not None:
+        past &= table != null_page
+    bad = np.argwhere(past)
+    if bad.size:
+        b, p = (int(i) for i in bad[0])
+        raise ValueError(f"block_table: expected every entry < {num_pages} (num_pages) or < 0 "
+                         f"(padding), got {len(bad)} past the cache, the first "
+                         f"block_table[{b}, {p}] = {int(table[b, p])}")

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from fp8kv.validate import dequantized_shape
+from fp8kv.validate import check_slots_in_range, check_table_in_range, dequantized_shape
 
 from . import _args, _jnp, _triton
 from ._args import as_array, as_caches, as_scale, as_scale_cache, device_scale, side_array
@@ -36,7 +36,7 @@ ScaleCache = Union[jax.Array, str, None]
 
 
 def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache=None, value_scale_cache=None, scale_rounding="exact"):
+           key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
     """The new caches, then the new side scale arrays (None for a side without one) if any."""
     caches = as_caches(caches)
     key, value, slots = as_array(key, "key"), as_array(value, "value"), as_array(slots, "slots")
@@ -45,6 +45,8 @@ def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format
     value_scale_cache = as_scale_cache(value_scale_cache, "value_scale_cache")
     args = _args.write_args(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
                             key_scale_cache, value_scale_cache, scale_rounding)
+    if check_bounds:
+        check_slots_in_range(_args.host_values(slots, "slots"), args.key_cache.num_slots)
     sides = (side_array(key_scale_cache), side_array(value_scale_cache))
     tail = () if sides == (None, None) else sides
     if args.num_tokens == 0:  # nothing to write: no launch
@@ -60,7 +62,7 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
              slots: jax.Array, key_scale: Scale = None, value_scale: Scale = None, *,
              layout: str = "NHD", fp8_format: str | None = None,
              key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
-             scale_rounding: str = "exact") -> tuple:
+             scale_rounding: str = "exact", check_bounds: bool = False) -> tuple:
     """Quantize ``key``/``value`` to FP8 and write them into a paged cache, in one launch.
 
     Parameters
@@ -99,6 +101,10 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
         then zeros.
     scale_rounding : {"exact", "pow2"}
         ``"pow2"`` rounds each dynamic scale up to a power of two.
+    check_bounds : bool
+        Debugging aid (off by default): read ``slots`` on the host and raise ``ValueError`` if a
+        slot is past the cache (instead of skipping it). Needs concrete arrays: refused
+        (``TypeError``) under ``jax.jit``.
 
     Returns
     -------
@@ -127,13 +133,14 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
     [2.0, -4.0, 448.0, 0.625]
     """
     return _write(key, value, (key_cache, value_cache), slots, key_scale, value_scale, layout,
-                  fp8_format, key_scale_cache, value_scale_cache, scale_rounding)
+                  fp8_format, key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
 
 
 def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slots: jax.Array,
                       key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
                       fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
-                      value_scale_cache: ScaleCache = None, scale_rounding: str = "exact"):
+                      value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
+                      check_bounds: bool = False):
     """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
 
     Parameters
@@ -167,12 +174,12 @@ def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slo
     [[56, 56, 56, 56], [184, 184, 184, 184]]
     """
     out = _write(key, value, (kv_cache,), slots, key_scale, value_scale, layout, fp8_format,
-                 key_scale_cache, value_scale_cache, scale_rounding)
+                 key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
     return out[0] if len(out) == 1 else out
 
 
 def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format, null_page,
-                key_scale_cache=None, value_scale_cache=None, head_dim=None):
+                key_scale_cache, value_scale_cache, head_dim, check_bounds):
     caches = as_caches(caches)
     block_table = as_array(block_table, "block_table")
     key_scale, value_scale = as_scale(key_scale, "key_scale"), as_scale(value_scale, "value_scale")
@@ -181,6 +188,9 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
     args = _args.dequantize_args(caches, block_table, key_scale, value_scale,
                                  _args.dtype_name(dtype), layout, fp8_format, null_page,
                                  key_scale_cache, value_scale_cache, head_dim)
+    if check_bounds:
+        check_table_in_range(_args.host_values(block_table, "block_table"),
+                             args.key_cache.num_pages, null_page)
     combined = len(caches) == 1
     if args.batch * args.pages_per_seq == 0:  # no pages to read: no launch
         shape = dequantized_shape(args, combined)
@@ -198,7 +208,8 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
                      dtype: DTypeLike = jnp.bfloat16, layout: str = "NHD",
                      fp8_format: str | None = None, null_page: int | None = None,
                      key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
-                     head_dim: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     head_dim: int | None = None, check_bounds: bool = False
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dequantize the pages a block table names into a compact paged cache + renumbered table.
 
     Parameters
@@ -227,6 +238,10 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
         Required with ``"inline"`` (the caches' last dimension is ``head_dim + 4`` or
         ``head_dim + 16``); the pages then hold ``head_dim`` columns. Otherwise, if given, it must
         equal the caches' last dimension.
+    check_bounds : bool
+        Debugging aid (off by default): read ``block_table`` on the host and raise
+        ``ValueError`` if an entry is past the cache (instead of giving a zero page). Needs
+        concrete arrays: refused (``TypeError``) under ``jax.jit``.
 
     Returns
     -------
@@ -252,7 +267,8 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
     ([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], [[0, 1]])
     """
     return _dequantize((key_cache, value_cache), block_table, key_scale, value_scale, dtype,
-                       layout, fp8_format, null_page, key_scale_cache, value_scale_cache, head_dim)
+                       layout, fp8_format, null_page, key_scale_cache, value_scale_cache, head_dim,
+                       check_bounds)
 
 
 def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_scale: Scale = None,
@@ -260,7 +276,8 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
                               layout: str = "NHD", fp8_format: str | None = None,
                               null_page: int | None = None, key_scale_cache: ScaleCache = None,
                               value_scale_cache: ScaleCache = None,
-                              head_dim: int | None = None) -> tuple[jax.Array, jax.Array]:
+                              head_dim: int | None = None, check_bounds: bool = False
+                              ) -> tuple[jax.Array, jax.Array]:
     """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
 
     Parameters
@@ -295,4 +312,5 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
     ((1, 2, 1, 1, 2), [-1.0, -1.0])
     """
     return _dequantize((kv_cache,), block_table, key_scale, value_scale, dtype, layout,
-                       fp8_format, null_page, key_scale_cache, value_scale_cache, head_dim)
+                       fp8_format, null_page, key_scale_cache, value_scale_cache, head_dim,
+                       check_bounds)

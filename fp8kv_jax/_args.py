@@ -56,6 +56,14 @@ def device_scale(scale):
     return scale if isinstance(scale, jax.Array) else None
 
 
+def host_values(x, name: str) -> np.ndarray:
+    """``x``'s values on the host, for the opt-in bounds checks (a device sync)."""
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(f"check_bounds: reads {name} on the host, which needs a concrete array, "
+                        f"got a traced one (under jax.jit); check outside the jitted function")
+    return np.asarray(x)
+
+
 def info(x) -> ArrayInfo:
     return ArrayInfo.contiguous(x.shape, jnp.dtype(x.dtype).name, DEVICE)
 

@@ -24,8 +24,10 @@ ScaleCache = Union[Tensor, str, None]
 
 
 def _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache=None, value_scale_cache=None, scale_rounding="exact"):
+           key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
     if torch.compiler.is_compiling():
+        if check_bounds:
+            _launch.host_values(slots, "slots")   # raises: no host reads in a compiled graph
         ks, ksv = split_scale(key_scale)
         vs, vsv = split_scale(value_scale)
         ksc, ksi = split_scale_cache(key_scale_cache)
@@ -35,13 +37,15 @@ def _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, la
     else:
         _launch.write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout,
                          fp8_format, key_scale_cache=key_scale_cache,
-                         value_scale_cache=value_scale_cache, scale_rounding=scale_rounding)
+                         value_scale_cache=value_scale_cache, scale_rounding=scale_rounding,
+                         check_bounds=check_bounds)
 
 
 def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor,
              key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
              fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
-             value_scale_cache: ScaleCache = None, scale_rounding: str = "exact") -> None:
+             value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
+             check_bounds: bool = False) -> None:
     """Quantize ``key``/``value`` to FP8 and write them into a paged cache, in one launch.
 
     Parameters
@@ -81,6 +85,11 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
         views ``sc[:, 0]`` and ``sc[:, 1]``.
     scale_rounding : {"exact", "pow2"}
         ``"pow2"`` rounds each dynamic scale up to a power of two.
+    check_bounds : bool
+        Debugging aid for engine developers hunting a bad slot mapping (off by default): read
+        ``slots`` on the host and raise ``ValueError`` if a slot is past the cache (instead of
+        skipping it). A device sync: refused (``RuntimeError``) inside CUDA-graph capture and
+        under ``torch.compile``.
 
     Returns
     -------
@@ -103,13 +112,14 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     [2.0, -4.0, 448.0, 0.625]
     """
     _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache, value_scale_cache, scale_rounding)
+           key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
 
 
 def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor,
                       key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
                       fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
-                      value_scale_cache: ScaleCache = None, scale_rounding: str = "exact") -> None:
+                      value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
+                      check_bounds: bool = False) -> None:
     """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
 
     Parameters
@@ -133,12 +143,12 @@ def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tenso
     [[56, 56, 56, 56], [184, 184, 184, 184]]
     """
     _write(key, value, kv_cache, None, slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache, value_scale_cache, scale_rounding)
+           key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
 
 
 def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
-                fp8_format, null_page, out, combined, key_scale_cache=None, value_scale_cache=None,
-                head_dim=None):
+                fp8_format, null_page, out, combined, key_scale_cache, value_scale_cache, head_dim,
+                check_bounds):
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
     outs = None
@@ -153,6 +163,8 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
         if combined:
             outs.insert(1, None)
     if torch.compiler.is_compiling():
+        if check_bounds:
+            _launch.host_values(block_table, "block_table")   # raises: no host reads when compiled
         if outs is None:
             outs = _launch.dequantize_pages(key_cache, value_cache, block_table, key_scale,
                                             value_scale, dtype, layout, fp8_format, null_page,
@@ -168,7 +180,8 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
         outs = _launch.dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale,
                                         dtype, layout, fp8_format, null_page, outs,
                                         key_scale_cache=key_scale_cache,
-                                        value_scale_cache=value_scale_cache, head_dim=head_dim)
+                                        value_scale_cache=value_scale_cache, head_dim=head_dim,
+                                        check_bounds=check_bounds)
     return tuple(o for o in outs if o is not None)
 
 
@@ -178,7 +191,8 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
                      fp8_format: str | None = None, null_page: int | None = None,
                      out: Sequence[Tensor] | None = None, key_scale_cache: ScaleCache = None,
                      value_scale_cache: ScaleCache = None,
-                     head_dim: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                     head_dim: int | None = None, check_bounds: bool = False
+                     ) -> tuple[Tensor, Tensor, Tensor]:
     """Dequantize the pages a block table names into a compact paged cache + renumbered table.
 
     Parameters
@@ -207,6 +221,10 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
         Required with ``"inline"`` (the caches' last dimension is ``head_dim + 4`` or
         ``head_dim + 16``); the pages then hold ``head_dim`` columns. Otherwise, if given, it must
         equal the caches' last dimension.
+    check_bounds : bool
+        Debugging aid (off by default): read ``block_table`` on the host and raise
+        ``ValueError`` if an entry is past the cache (instead of giving a zero page). A device
+        sync: refused (``RuntimeError``) inside CUDA-graph capture and under ``torch.compile``.
 
     Returns
     -------
@@ -231,7 +249,7 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
     """
     return _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
                        fp8_format, null_page, out, False, key_scale_cache, value_scale_cache,
-                       head_dim)
+                       head_dim, check_bounds)
 
 
 def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: Scale = None,
@@ -241,7 +259,8 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
                               out: Sequence[Tensor] | None = None,
                               key_scale_cache: ScaleCache = None,
                               value_scale_cache: ScaleCache = None,
-                              head_dim: int | None = None) -> tuple[Tensor, Tensor]:
+                              head_dim: int | None = None, check_bounds: bool = False
+                              ) -> tuple[Tensor, Tensor]:
     """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
 
     Parameters
@@ -272,4 +291,4 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
     """
     return _dequantize(kv_cache, None, block_table, key_scale, value_scale, dtype, layout,
                        fp8_format, null_page, out, True, key_scale_cache, value_scale_cache,
-                       head_dim)
+                       head_dim, check_bounds)

@@ -17,7 +17,8 @@ from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import BoundCall, bind, signature
 from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
-from fp8kv.validate import check_dequantize, check_out, check_write, dequantized_shape
+from fp8kv.validate import (check_dequantize, check_out, check_slots_in_range,
+                            check_table_in_range, check_write, dequantized_shape)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -41,6 +42,18 @@ def scale_cache_arg(scale_cache, name: str):
     """A scale cache as the core sees it: None, ``"inline"`` (or any other object, which the
     core rejects), or an ArrayInfo."""
     return info(scale_cache, name) if isinstance(scale_cache, torch.Tensor) else scale_cache
+
+
+def host_values(t: torch.Tensor, name: str):
+    """``t``'s values on the host, for the opt-in bounds checks: a device sync, refused where a
+    sync is not allowed (CUDA-graph capture) or cannot be traced (torch.compile)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"check_bounds: reads {name} on the host, which torch.compile cannot "
+                           "trace; check eagerly, outside the compiled function")
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"check_bounds: reads {name} on the host (a device sync), which "
+                           "CUDA-graph capture does not allow")
+    return t.detach().cpu().numpy()
 
 
 def _backend(t: torch.Tensor, name: str) -> str:
@@ -141,7 +154,7 @@ def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, names:
 
 def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
              exact=None, launch=True, key_scale_cache=None, value_scale_cache=None,
-             scale_rounding="exact"):
+             scale_rounding="exact", check_bounds=False):
     """Validate, plan and launch one write. ``value_cache=None``: ``key_cache`` is combined.
 
     ``exact`` forces the exact (True) or hardware (False) conversions; ``launch=False`` only
@@ -151,7 +164,7 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
     operands = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale,
                                key_scale_cache, value_scale_cache)
     ready_key = None
-    if launch and exact is None:
+    if launch and exact is None and not check_bounds:
         ready_key, ready = _find_ready("write", (key, value, key_cache, value_cache, slots,
                                                  key_scale, value_scale, key_scale_cache,
                                                  value_scale_cache),
@@ -167,6 +180,8 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
         key_scale_cache=scale_cache_arg(key_scale_cache, "key_scale_cache"),
         value_scale_cache=scale_cache_arg(value_scale_cache, "value_scale_cache"),
         scale_rounding=scale_rounding)
+    if check_bounds:
+        check_slots_in_range(host_values(slots, "slots"), args.key_cache.num_slots)
     backend = _backend(key, "key")
     plan = plan_write(args, backend, exact)
     if plan.empty or not launch:
@@ -217,7 +232,8 @@ def _allocate(spec, device) -> tuple:
 
 def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
                      fp8_format, null_page, outs=None, exact=None, launch=True,
-                     key_scale_cache=None, value_scale_cache=None, head_dim=None) -> tuple:
+                     key_scale_cache=None, value_scale_cache=None, head_dim=None,
+                     check_bounds=False) -> tuple:
     """Validate, plan and launch one dequantize; returns ``(key_out, value_out, table_out)``.
 
     ``value_cache=None``: ``key_cache`` is a combined cache, and the output is combined too
@@ -226,7 +242,7 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     """
     combined = value_cache is None
     ready_key = None
-    if launch and exact is None:
+    if launch and exact is None and not check_bounds:
         tensors = (key_cache, value_cache, block_table, key_scale, value_scale, key_scale_cache,
                    value_scale_cache, *(outs or ()))
         ready_key, ready = _find_ready("dequantize", tensors,
@@ -246,6 +262,9 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
         key_scale_cache=scale_cache_arg(key_scale_cache, "key_scale_cache"),
         value_scale_cache=scale_cache_arg(value_scale_cache, "value_scale_cache"),
         head_dim=head_dim)
+    if check_bounds:
+        check_table_in_range(host_values(block_table, "block_table"), args.key_cache.num_pages,
+                             null_page)
     spec = (dequantized_shape(args, combined), dtype, combined, (args.batch, args.pages_per_seq))
     if outs is None:
         outs = _allocate(spec, key_cache.device)

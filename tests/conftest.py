@@ -1,45 +1,9 @@
-"""Shared fixtures: the torch devices to run on and NumPy <-> torch conversion.
-
-Every torch test is parametrized over ``device``: ``cpu`` runs the Triton kernels under the
-interpreter (the exact conversion path), ``cuda`` runs them compiled. A machine without CUDA runs
-the ``cpu`` half only; the GPU suite runs both.
-"""
+"""Shared fixtures (helpers: :mod:`tests.helpers`)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-try:  # the JAX tests run without torch; the torch test modules importorskip it themselves
-    import torch
-except ImportError:
-    torch = None
-
-HAS_CUDA = torch is not None and torch.cuda.is_available()
-DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs in the GPU suite)")
-
-# itemsize -> (NumPy unsigned, torch same-size) types for bit views
-_BITS = {1: ("uint8", "uint8"), 2: ("uint16", "int16"), 4: ("uint32", "int32"), 8: ("uint64", "int64")}
-
-
-def torch_dtype(name: str):
-    return getattr(torch, name)
-
-
-def to_torch(a, device):
-    """A NumPy array (ml_dtypes included) as a torch tensor with the same bytes, on ``device``."""
-    if a is None or isinstance(a, float):
-        return a
-    a = np.array(a, order="C", copy=True)
-    signed = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[a.itemsize]
-    return torch.from_numpy(a.view(signed)).view(torch_dtype(a.dtype.name)).to(device)
-
-
-def bits(t) -> np.ndarray:
-    """Raw bits of a tensor as a NumPy unsigned array (NaN payloads included)."""
-    t = t.detach().contiguous().cpu()
-    np_bits, torch_bits = _BITS[t.element_size()]
-    return t.view(getattr(torch, torch_bits)).numpy().view(np_bits)
+from tests.helpers import DEVICES
 
 
 @pytest.fixture(params=DEVICES)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import triton.language as tl
 
-from cases import DEQUANT_CASES, WRITE_CASES
+from tests.cases import DEQUANT_CASES, WRITE_CASES
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import BoundCall, bind, check_names, signature

@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from attention_bound import attention_error_bound, prefill_block_table
-from cases import DEQUANT_CASES, DequantCase, as_uint, dequant_inputs
-from conftest import bits, requires_cuda, to_torch, torch, torch_dtype
+from tests.attention_bound import attention_error_bound, prefill_block_table
+from tests.cases import DEQUANT_CASES, DequantCase, as_uint, dequant_inputs
+from tests.helpers import bits, requires_cuda, to_torch, torch, torch_dtype
 from fp8kv import reference as ref
 from fp8kv_torch import (_launch, dequantize_pages, dequantize_pages_combined, write_kv)
 

@@ -15,8 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cases import as_uint, random_values  # noqa: E402
-from conftest import bits, requires_cuda, to_torch  # noqa: E402
+from tests.cases import as_uint, random_values  # noqa: E402
+from tests.helpers import bits, requires_cuda, to_torch  # noqa: E402
 from fp8kv import reference as ref  # noqa: E402
 from fp8kv.formats import FORMATS  # noqa: E402
 import fp8kv_torch  # noqa: E402
@@ -463,7 +463,7 @@ def test_jax_gpu_launch_in_interpreter(case, monkeypatch):
 
     import fp8kv_jax._args
     import fp8kv_jax._triton
-    from test_parity import _interpreted_triton_call
+    from tests.test_parity import _interpreted_triton_call
     monkeypatch.setattr(fp8kv_jax._args, "use_triton", lambda arrays: True)
     monkeypatch.setattr(fp8kv_jax._triton, "jax_triton",
                         lambda: types.SimpleNamespace(triton_call=_interpreted_triton_call))

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conftest import requires_cuda, torch
+from tests.helpers import requires_cuda, torch
 from fp8kv_torch import dequantize_pages, dequantize_pages_combined, write_kv, write_kv_combined
 
 T, H, D, P, S = 5, 2, 64, 3, 4

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fp8kv_jax  # noqa: E402
-from cases import (DEQUANT_CASES, WRITE_CASES, DequantCase, WriteCase, as_uint,  # noqa: E402
+from tests.cases import (DEQUANT_CASES, WRITE_CASES, DequantCase, WriteCase, as_uint,  # noqa: E402
                    dequant_inputs, random_values, write_inputs)
 from fp8kv import reference  # noqa: E402
 from fp8kv.formats import FORMATS  # noqa: E402
@@ -68,7 +68,7 @@ def dequant_kwargs(case):
 
 def subprocess_env(**extra) -> dict:
     """This environment, with the checkout and tests/ first on the path (kept: e.g. jax-triton's)."""
-    path = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    path = [str(REPO), os.environ.get("PYTHONPATH", "")]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), **extra)
 
 
@@ -347,8 +347,9 @@ def test_shard_map_two_cpu_devices_matches_unsharded():
     out = run_python("""
         import jax, numpy as np
         from jax.sharding import Mesh
-        import fp8kv_jax, test_jax
-        from cases import as_uint, dequant_inputs, write_inputs
+        import fp8kv_jax
+        from tests import test_jax
+        from tests.cases import as_uint, dequant_inputs, write_inputs
         assert len(jax.devices()) == 2, jax.devices()
         mesh = Mesh(np.array(jax.devices()), (test_jax.HEADS,))
         inputs = write_inputs(test_jax.SHARD_WRITE_CASE)
@@ -531,7 +532,7 @@ def test_prefill_attention_within_fp8_bound(fmt):
 
     The error must stay within the bound derived in ``attention_bound`` (as in the torch test).
     """
-    from attention_bound import attention_error_bound, prefill_block_table
+    from tests.attention_bound import attention_error_bound, prefill_block_table
 
     rng = np.random.default_rng(7)
     hkv, group, d, page_size, num_pages = 2, 3, 64, 16, 40

@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import fp8kv_jax  # noqa: E402
 import fp8kv_torch  # noqa: E402
-from cases import (DEQUANT_CASES, WRITE_CASES, WriteCase, as_uint, dequant_inputs,  # noqa: E402
+from tests.cases import (DEQUANT_CASES, WRITE_CASES, WriteCase, as_uint, dequant_inputs,  # noqa: E402
                    write_inputs)
 from fp8kv import ops, reference  # noqa: E402
 
@@ -377,7 +377,7 @@ def test_dlpack_cache_shared_with_torch_across_donated_writes(platform, record_p
 _ORDER_SCRIPT = """
 import os, sys
 import numpy as np
-from cases import WriteCase, as_uint, write_inputs
+from tests.cases import WriteCase, as_uint, write_inputs
 from fp8kv import reference
 
 PLATFORM = {platform!r}
@@ -430,7 +430,7 @@ ORDERS = {
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("order", ORDERS)
 def test_import_order(platform, order):
-    path = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    path = [str(REPO), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
     if platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"

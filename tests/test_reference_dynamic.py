@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cases import as_uint, random_values
+from tests.cases import as_uint, random_values
 from fp8kv import reference as ref
 from fp8kv.formats import FORMATS
 from fp8kv.reference import dynamic_scales, np_dtype

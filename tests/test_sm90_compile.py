@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from cases import DEQUANT_CASES, WRITE_CASES, scale_values
+from tests.cases import DEQUANT_CASES, WRITE_CASES, scale_values
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import bind

@@ -1,14 +1,10 @@
 """Tensor parallelism over kv heads with torch ranks (examples/tensor_parallel_torch.py)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import tensor_parallel_torch as tp  # noqa: E402
+from examples import tensor_parallel_torch as tp  # noqa: E402
 
 
 def test_two_cpu_ranks_gloo_match_single_device():

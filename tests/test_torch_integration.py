@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from cases import WriteCase, as_uint, write_inputs
-from conftest import bits, requires_cuda, to_torch, torch
+from tests.cases import WriteCase, as_uint, write_inputs
+from tests.helpers import bits, requires_cuda, to_torch, torch
 from fp8kv import reference as ref
 from fp8kv.formats import FORMATS
 from fp8kv_torch import dequantize_pages, write_kv

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
-from cases import WRITE_CASES, WriteCase, as_uint, random_values, write_inputs
-from conftest import bits, requires_cuda, to_torch, torch
+from tests.cases import WRITE_CASES, WriteCase, as_uint, random_values, write_inputs
+from tests.helpers import bits, requires_cuda, to_torch, torch
 from fp8kv import reference as ref
 from fp8kv.formats import FORMATS
 from fp8kv_torch import _launch, write_kv, write_kv_combined

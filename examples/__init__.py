@@ -1,0 +1,1 @@
+"""Runnable examples (tensor parallelism over kv heads)."""
