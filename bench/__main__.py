@@ -2,7 +2,8 @@
 
 ``--only`` names (comma-separated): ``write`` (the torch write table and the variants table),
 ``variants`` (the variants table alone), ``dequant`` (with fp8kv-jax rows when JAX is usable),
-``eager`` (eager-call tables, torch), ``sweep`` (tuning; default on a GPU only), ``accuracy``
+``dynamic`` (dynamic-scale placements), ``eager`` (eager-call tables, torch), ``sweep`` (tuning;
+default on a GPU only), ``accuracy``
 (attention error per scale scheme, NumPy), ``jax`` (the JAX tables).
 
 Without a CUDA GPU only a short harness check runs, through Triton's CPU interpreter: its numbers
@@ -29,12 +30,12 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from . import accuracy, dequant, eager, jax_tables, sweep, write_torch  # noqa: E402
+from . import accuracy, dequant, dynamic, eager, jax_tables, sweep, write_torch  # noqa: E402
 from .common import Timer, copy_bandwidth, free_memory, make_config  # noqa: E402
 from .plot import plot_table  # noqa: E402
 from .results import Table, markdown, write_csv  # noqa: E402
 
-TABLES = ("write", "variants", "dequant", "eager", "sweep", "accuracy", "jax")
+TABLES = ("write", "variants", "dequant", "dynamic", "eager", "sweep", "accuracy", "jax")
 CPU_LABEL = "CPU interpreter - not performance"
 CPU_BANNER = ("No CUDA GPU found: only a short harness check runs, through Triton's CPU "
               "interpreter; its numbers are not performance.")
@@ -48,7 +49,8 @@ def _parse(argv):
         epilog="--only names: write (the torch write table and the variants table), variants "
                "(the variants table alone), dequant (with fp8kv-jax rows when JAX is usable), "
                "eager (eager-call tables of fp8kv_torch against single-launch Triton anchors and "
-               "an empty kernel), sweep (tuning; default on a GPU only), accuracy (attention "
+               "an empty kernel), dynamic (dynamic-scale placements side by side), sweep "
+               "(tuning; default on a GPU only), accuracy (attention "
                "error of an FP8 cache per scale scheme; NumPy, real data, not timing), jax (the "
                "JAX tables: write, eager calls, cache sizes, dequantize). Without a CUDA GPU "
                "only a short harness check runs through Triton's CPU interpreter: its numbers "
@@ -180,7 +182,8 @@ def main(argv=None) -> None:
     # "write" is both write tables; "variants" alone is the second one.
     steps = [({"write"}, write_torch.table_write),
              ({"write", "variants"}, write_torch.table_variants),
-             ({"dequant"}, dequant.table_dequant)]
+             ({"dequant"}, dequant.table_dequant),
+             ({"dynamic"}, dynamic.table_dynamic)]
     for keys, build in steps:
         if keys & args.only:
             try:

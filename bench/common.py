@@ -48,6 +48,11 @@ class Config:
     eager_calls: int = 300      # back-to-back calls per timed repetition
     eager_reps: int = 5         # repetitions; the median is reported
     jax_call_tokens: tuple[int, ...] = (1, 256, 16384, 65536)
+    # Dynamic-scale placements (bench.dynamic).
+    dynamic_tokens: int = 65536
+    dynamic_head_dims: tuple[int, ...] = (128, 256)
+    dynamic_dequant: tuple[int, int] = (16, 512)
+    dynamic_graph_tokens: tuple[int, ...] = (1, 16, 256)
     jax_cache_tokens: tuple[int, ...] = (256, 65536)
     jax_cache_bytes: tuple[int, ...] = (4 * MiB, 256 * MiB, GiB, 8 * GiB)  # K and V each
     jax_dequant_shapes: tuple[tuple[int, int], ...] = ((1, 64), (16, 512))
@@ -67,7 +72,8 @@ def make_config(cuda: bool, quick: bool) -> Config:
                       eager_cache_pages=32, eager_dequant_shapes=((1, 4), (2, 8)),
                       eager_warmup=1, eager_calls=2, eager_reps=1, jax_call_tokens=(1, 16),
                       jax_cache_tokens=(16,), jax_cache_bytes=(MiB, 4 * MiB),
-                      jax_dequant_shapes=((1, 4), (2, 8)))
+                      jax_dequant_shapes=((1, 4), (2, 8)), dynamic_tokens=16,
+                      dynamic_head_dims=(128,), dynamic_dequant=(1, 2), dynamic_graph_tokens=())
     if quick:
         return Config(write_tokens=(1, 256, 16384), variant_tokens=16384, jax_tokens=(1, 4096),
                       dequant_shapes=((4, 256, "4x256"), (64, 32, "64x32 decode mix")),
@@ -76,7 +82,8 @@ def make_config(cuda: bool, quick: bool) -> Config:
                       warmup_ms=5, rep_ms=20, sweep_warmup_ms=5, sweep_rep_ms=10, wall_calls=50,
                       jax_calls=10, jax_loop=16, eager_warmup=5, eager_calls=100, eager_reps=3,
                       jax_call_tokens=(1, 256, 16384), jax_cache_tokens=(256,),
-                      jax_cache_bytes=(4 * MiB, 256 * MiB), jax_dequant_shapes=((1, 64), (4, 256)))
+                      jax_cache_bytes=(4 * MiB, 256 * MiB), jax_dequant_shapes=((1, 64), (4, 256)),
+                      dynamic_tokens=16384, dynamic_dequant=(4, 256))
     return Config(write_tokens=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536), variant_tokens=65536,
                   jax_tokens=(1, 16, 256, 4096, 65536),
                   dequant_shapes=((16, 512, "16x512"), (4, 256, "4x256"),

@@ -17,7 +17,7 @@ import fp8kv_torch
 
 from . import anchors
 from .common import Config, back_to_back_us, free_memory
-from .dequant import PAGE_ELEMS, build_dequant_case, dequant_bytes
+from .dequant import PAGE_ELEMS, build_dequant_case
 from .results import Table, tokens_case
 from .write_torch import HEAD_DIM, HEADS, PAGE_SIZE, build_write_case
 

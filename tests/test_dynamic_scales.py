@@ -7,7 +7,6 @@ JAX GPU launch glue in the interpreter, argument errors, and the custom op.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +17,6 @@ torch = pytest.importorskip("torch")
 from tests.cases import as_uint, random_values  # noqa: E402
 from tests.helpers import bits, requires_cuda, to_torch  # noqa: E402
 from fp8kv import reference as ref  # noqa: E402
-from fp8kv.formats import FORMATS  # noqa: E402
 import fp8kv_torch  # noqa: E402
 from fp8kv_torch import _launch  # noqa: E402
 
@@ -459,14 +457,8 @@ def test_jax_jnp_and_torch_same_bytes(case):
 @pytest.mark.parametrize("case", PARITY_CASES, ids=lambda c: c.id)
 def test_jax_gpu_launch_in_interpreter(case, monkeypatch):
     jax = pytest.importorskip("jax")
-    import types
-
-    import fp8kv_jax._args
-    import fp8kv_jax._triton
-    from tests.test_parity import _interpreted_triton_call
-    monkeypatch.setattr(fp8kv_jax._args, "use_triton", lambda arrays: True)
-    monkeypatch.setattr(fp8kv_jax._triton, "jax_triton",
-                        lambda: types.SimpleNamespace(triton_call=_interpreted_triton_call))
+    from tests.jax_glue import use_interpreted_gpu_path
+    use_interpreted_gpu_path(monkeypatch)
     x = inputs(case)
     with jax.default_device(jax.devices("cpu")[0]):
         _check_jax(case, x)

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import fp8kv_jax  # noqa: E402
 from tests.cases import (DEQUANT_CASES, WRITE_CASES, DequantCase, WriteCase, as_uint,  # noqa: E402
-                   dequant_inputs, random_values, write_inputs)
+                         dequant_inputs, random_values, write_inputs)
 from fp8kv import reference  # noqa: E402
 from fp8kv.formats import FORMATS  # noqa: E402
 from fp8kv.reference import np_dtype  # noqa: E402

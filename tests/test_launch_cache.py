@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.helpers import bits, to_torch, torch
+from tests.helpers import bits, torch
 from fp8kv import reference as ref
 from fp8kv_torch import _launch, dequantize_pages, dequantize_pages_combined, write_kv
 

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import types
 import warnings
 from pathlib import Path
 
@@ -24,9 +23,9 @@ import jax.numpy as jnp  # noqa: E402
 
 import fp8kv_jax  # noqa: E402
 import fp8kv_torch  # noqa: E402
-from tests.cases import (DEQUANT_CASES, WRITE_CASES, WriteCase, as_uint, dequant_inputs,  # noqa: E402
-                   write_inputs)
-from fp8kv import ops, reference  # noqa: E402
+from tests.cases import (DEQUANT_CASES, WRITE_CASES, WriteCase, as_uint,  # noqa: E402
+                         dequant_inputs, write_inputs)
+from fp8kv import reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ON_GPU = torch.cuda.is_available() and jax.default_backend() == "gpu"
@@ -134,91 +133,6 @@ def test_dequantize_pages_combined_parity(case):
     assert len(got) == len(expected) == 2
     for t, x in zip(expected, got):
         assert_same_bytes(t, x)
-
-
-# ---------------------------------------------------------------------------------------------
-# fp8kv_jax's GPU launch code, run on any machine: a stand-in for jax_triton.triton_call that checks
-# what jax-triton 0.3.1 requires and runs the kernel in Triton's interpreter (in torch's place).
-
-def _interpreted_triton_call(*args, kernel, out_shape, grid, num_warps, enable_fp_fusion,
-                             input_output_aliases, name, **constexprs):
-    arrays = [a for a in args if isinstance(a, jax.Array)]
-    scalars = args[len(arrays):]
-    # jax-triton takes arrays, then scalars; it types Python ints by value and np.float32 as fp32
-    # (a Python float would be fp64, a NumPy int an array).
-    assert all(not isinstance(s, jax.Array) for s in scalars), "an array after a scalar"
-    assert all(type(s) in (int, np.float32) for s in scalars), [type(s) for s in scalars]
-    assert name == kernel.fn.__name__ and enable_fp_fusion is False
-    for i, o in input_output_aliases.items():
-        assert (arrays[i].shape, arrays[i].dtype) == (out_shape[o].shape, out_shape[o].dtype)
-
-    def run(*host):
-        tensors = [to_torch(np.array(a), "cpu") for a in host]  # callback arrays are read-only
-        aliased = {o: i for i, o in input_output_aliases.items()}
-        outs = [tensors[aliased[o]].clone() if o in aliased else
-                to_torch(np.zeros(out.shape, out.dtype), "cpu") for o, out in enumerate(out_shape)]
-        # EXACT: the interpreter rounds like the GPU only on the exact (bit arithmetic) path.
-        ops.interpreted(kernel)[grid](*tensors, *(s.item() if isinstance(s, np.float32) else s
-                                                  for s in scalars), *outs,
-                                      num_warps=num_warps, **{**constexprs, "EXACT": True})
-        return tuple(torch_bytes(t).view(np.dtype(out.dtype)).reshape(out.shape)
-                     for t, out in zip(outs, out_shape))
-
-    return jax.pure_callback(run, tuple(out_shape), *arrays)
-
-
-@pytest.fixture
-def interpreted_gpu_path(monkeypatch):
-    """fp8kv_jax takes its GPU path, with jax-triton replaced by the interpreter stand-in."""
-    import fp8kv_jax._args
-    import fp8kv_jax._triton
-
-    monkeypatch.setattr(fp8kv_jax._args, "use_triton", lambda arrays: True)
-    monkeypatch.setattr(fp8kv_jax._triton, "jax_triton",
-                        lambda: types.SimpleNamespace(triton_call=_interpreted_triton_call))
-
-
-GLUE_WRITE_CASES = [WRITE_CASES[i] for i in (0, 2, 5, 6, 8)]
-GLUE_DEQUANT_CASES = [DEQUANT_CASES[i] for i in (0, 2, 3, 4, 5, 6)]
-
-
-@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
-@pytest.mark.parametrize("case", GLUE_WRITE_CASES, ids=lambda c: c.id)
-def test_gpu_write_launch_in_interpreter(case, combined, interpreted_gpu_path):
-    inputs = write_inputs(case)
-    expected = reference.write_kv(**inputs, **write_kwargs(case))
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu), jax.enable_x64(case.slots == "int64"):
-        if combined:
-            inputs["kv_cache"] = np.stack([inputs.pop("key_cache"), inputs.pop("value_cache")], 1)
-            got = [fp8kv_jax.write_kv_combined(**to_jax(inputs, cpu), **write_kwargs(case))]
-            expected = [np.stack(expected, axis=1)]
-        else:
-            got = fp8kv_jax.write_kv(**to_jax(inputs, cpu), **write_kwargs(case))
-    for g, want in zip(got, expected, strict=True):
-        np.testing.assert_array_equal(as_uint(np.asarray(g)), as_uint(want))
-
-
-@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
-@pytest.mark.parametrize("case", GLUE_DEQUANT_CASES, ids=lambda c: c.id)
-def test_gpu_dequantize_launch_in_interpreter(case, combined, interpreted_gpu_path):
-    inputs = dequant_inputs(case)
-    k, v, table = reference.dequantize_pages(**inputs, dtype=case.out, **dequant_kwargs(case))
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        if combined:
-            inputs["kv_cache"] = np.stack([inputs.pop("key_cache"), inputs.pop("value_cache")], 1)
-            got = fp8kv_jax.dequantize_pages_combined(**to_jax(inputs, cpu), dtype=case.out,
-                                                      **dequant_kwargs(case))
-            expected = (np.stack([k, v], axis=1), table)
-        else:
-            got = fp8kv_jax.dequantize_pages(**to_jax(inputs, cpu), dtype=case.out,
-                                             **dequant_kwargs(case))
-            expected = (k, v, table)
-    for g, want in zip(got, expected, strict=True):
-        g = np.asarray(g)
-        assert (g.shape, g.dtype) == (want.shape, want.dtype)
-        np.testing.assert_array_equal(as_uint(g), as_uint(want))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""fp8kv_jax's GPU launch code on any machine, without torch: a stand-in for
+``jax_triton.triton_call`` that checks what jax-triton 0.3.1 requires of a call and runs the kernel
+under Triton's CPU interpreter on host NumPy arrays.
+
+Triton's interpreter takes as a tensor anything with ``data_ptr()``: it copies the argument's
+storage to the host (``untyped_storage().cpu()``, ``new_empty(...).set_(...)``), runs the kernel
+on raw memory at ``data_ptr()``, and copies results back (``copy_``). A NumPy array already lives
+on the host, so :class:`HostArray` is its own storage and its own host copy.
+"""
+from __future__ import annotations
+
+import types
+
+import jax
+import numpy as np
+
+from fp8kv import ops
+
+
+class HostArray:
+    """A NumPy array as the tensor Triton's interpreter expects (every copy a no-op)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self.dtype = array.dtype   # str() is Triton's name for it: 'bfloat16', 'float8_e4m3fn', ...
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+    def untyped_storage(self):
+        return self
+
+    def cpu(self):
+        return self
+
+    def copy_(self, other):
+        return self
+
+    def new_empty(self, *shape, device=None):
+        return self
+
+    def set_(self, storage, offset, size, stride):
+        return self
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def size(self):
+        return self.array.shape
+
+    def stride(self):
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+
+def interpreted_triton_call(*args, kernel, out_shape, grid, num_warps, enable_fp_fusion,
+                            input_output_aliases, name, **constexprs):
+    arrays = [a for a in args if isinstance(a, jax.Array)]
+    scalars = args[len(arrays):]
+    # jax-triton takes arrays, then scalars; it types Python ints by value and np.float32 as fp32
+    # (a Python float would be fp64, a NumPy int an array).
+    assert all(not isinstance(s, jax.Array) for s in scalars), "an array after a scalar"
+    assert all(type(s) in (int, np.float32) for s in scalars), [type(s) for s in scalars]
+    assert name == kernel.fn.__name__ and enable_fp_fusion is False
+    for i, o in input_output_aliases.items():
+        assert (arrays[i].shape, arrays[i].dtype) == (out_shape[o].shape, out_shape[o].dtype)
+
+    def run(*host):
+        inputs = [np.array(a, order="C", copy=True) for a in host]  # callback arrays are read-only
+        aliased = {o: i for i, o in input_output_aliases.items()}
+        outs = [inputs[aliased[o]].copy() if o in aliased else np.zeros(out.shape, out.dtype)
+                for o, out in enumerate(out_shape)]
+        # EXACT: the interpreter rounds like the GPU only on the exact (bit arithmetic) path.
+        ops.interpreted(kernel)[grid](*map(HostArray, inputs),
+                                      *(s.item() if isinstance(s, np.float32) else s
+                                        for s in scalars),
+                                      *map(HostArray, outs), num_warps=num_warps,
+                                      **{**constexprs, "EXACT": True})
+        return tuple(outs)
+
+    return jax.pure_callback(run, tuple(out_shape), *arrays)
+
+
+def use_interpreted_gpu_path(monkeypatch) -> None:
+    """fp8kv_jax takes its GPU path, with jax-triton replaced by the interpreter stand-in."""
+    import fp8kv_jax._args
+    import fp8kv_jax._triton
+
+    monkeypatch.setattr(fp8kv_jax._args, "use_triton", lambda arrays: True)
+    monkeypatch.setattr(fp8kv_jax._triton, "jax_triton",
+                        lambda: types.SimpleNamespace(triton_call=interpreted_triton_call))

@@ -1,0 +1,73 @@
+"""fp8kv_jax's GPU launch code -- plan, binding, aliases, scalar types -- with the real kernels run
+under Triton's interpreter (tests.jax_glue), byte for byte against the reference. No torch: this
+runs on every CI leg, the JAX-only one included."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import fp8kv_jax  # noqa: E402
+from fp8kv import reference  # noqa: E402
+from tests.cases import (DEQUANT_CASES, WRITE_CASES, as_uint, dequant_inputs,  # noqa: E402
+                         write_inputs)
+from tests.jax_glue import use_interpreted_gpu_path  # noqa: E402
+
+
+def to_jax(inputs: dict, device) -> dict:
+    return {k: jax.device_put(v, device) if isinstance(v, np.ndarray) else v
+            for k, v in inputs.items()}
+
+
+def write_kwargs(case):
+    return dict(layout=case.api_layout, fp8_format=case.fp8_format)
+
+
+def dequant_kwargs(case):
+    return dict(layout=case.api_layout, fp8_format=case.fp8_format, null_page=case.null_page)
+
+
+GLUE_WRITE_CASES = [WRITE_CASES[i] for i in (0, 2, 5, 6, 8)]
+GLUE_DEQUANT_CASES = [DEQUANT_CASES[i] for i in (0, 2, 3, 4, 5, 6)]
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+@pytest.mark.parametrize("case", GLUE_WRITE_CASES, ids=lambda c: c.id)
+def test_gpu_write_launch_in_interpreter(case, combined, monkeypatch):
+    use_interpreted_gpu_path(monkeypatch)
+    inputs = write_inputs(case)
+    expected = reference.write_kv(**inputs, **write_kwargs(case))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu), jax.enable_x64(case.slots == "int64"):
+        if combined:
+            inputs["kv_cache"] = np.stack([inputs.pop("key_cache"), inputs.pop("value_cache")], 1)
+            got = [fp8kv_jax.write_kv_combined(**to_jax(inputs, cpu), **write_kwargs(case))]
+            expected = [np.stack(expected, axis=1)]
+        else:
+            got = fp8kv_jax.write_kv(**to_jax(inputs, cpu), **write_kwargs(case))
+    for g, want in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(as_uint(np.asarray(g)), as_uint(want))
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+@pytest.mark.parametrize("case", GLUE_DEQUANT_CASES, ids=lambda c: c.id)
+def test_gpu_dequantize_launch_in_interpreter(case, combined, monkeypatch):
+    use_interpreted_gpu_path(monkeypatch)
+    inputs = dequant_inputs(case)
+    k, v, table = reference.dequantize_pages(**inputs, dtype=case.out, **dequant_kwargs(case))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        if combined:
+            inputs["kv_cache"] = np.stack([inputs.pop("key_cache"), inputs.pop("value_cache")], 1)
+            got = fp8kv_jax.dequantize_pages_combined(**to_jax(inputs, cpu), dtype=case.out,
+                                                      **dequant_kwargs(case))
+            expected = (np.stack([k, v], axis=1), table)
+        else:
+            got = fp8kv_jax.dequantize_pages(**to_jax(inputs, cpu), dtype=case.out,
+                                             **dequant_kwargs(case))
+            expected = (k, v, table)
+    for g, want in zip(got, expected, strict=True):
+        g = np.asarray(g)
+        assert (g.shape, g.dtype) == (want.shape, want.dtype)
+        np.testing.assert_array_equal(as_uint(g), as_uint(want))
