@@ -73,12 +73,13 @@ def pow2_divisor(*values: int, cap: int = 16) -> int:
     return align
 
 
-def _scale_strides(prefix: str, sc) -> dict:
-    """A side scale array's strides as scalars (all 0 without one: never read)."""
-    if sc is None:
-        return {f"stride_{prefix}_page": 0, f"stride_{prefix}_slot": 0, f"stride_{prefix}_head": 0}
-    return {f"stride_{prefix}_page": sc.stride_page, f"stride_{prefix}_slot": sc.stride_slot,
-            f"stride_{prefix}_head": sc.stride_head}
+def _strides(prefix: str, pages) -> dict:
+    """``stride_<prefix>_{page,slot,head}`` of a paged array (a cache, an output, a side scale
+    array); all 0 without one (never read)."""
+    page, slot, head = (0, 0, 0) if pages is None else (pages.stride_page, pages.stride_slot,
+                                                         pages.stride_head)
+    return {f"stride_{prefix}_page": page, f"stride_{prefix}_slot": slot,
+            f"stride_{prefix}_head": head}
 
 
 def _exact(backend: str, exact: bool | None) -> bool:
@@ -108,11 +109,9 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
         num_tokens=args.num_tokens, num_slots=kc.num_slots,
         stride_key_token=key.strides[0], stride_key_head=key.strides[1],
         stride_value_token=value.strides[0], stride_value_head=value.strides[1],
-        stride_kc_page=kc.stride_page, stride_kc_slot=kc.stride_slot, stride_kc_head=kc.stride_head,
-        stride_vc_page=vc.stride_page, stride_vc_slot=vc.stride_slot, stride_vc_head=vc.stride_head,
-        value_cache_offset=vc.offset,
+        **_strides("kc", kc), **_strides("vc", vc), value_cache_offset=vc.offset,
         key_scale_value=float(args.key_scale_value), value_scale_value=float(args.value_scale_value),
-        **_scale_strides("ksc", args.key_scale_cache), **_scale_strides("vsc", args.value_scale_cache))
+        **_strides("ksc", args.key_scale_cache), **_strides("vsc", args.value_scale_cache))
     constexprs = dict(
         NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
         BLOCK_T=block_t, BLOCK_HD=block_hd,
@@ -160,14 +159,10 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
         pages_per_seq=max(args.pages_per_seq, 1), stride_table_seq=table.strides[0],
         stride_table_page=table.strides[1], num_pages=kc.num_pages,
         null_page=-1 if args.null_page is None else args.null_page,
-        stride_kc_page=kc.stride_page, stride_kc_slot=kc.stride_slot, stride_kc_head=kc.stride_head,
-        stride_vc_page=vc.stride_page, stride_vc_slot=vc.stride_slot, stride_vc_head=vc.stride_head,
-        value_cache_offset=vc.offset,
-        stride_ko_page=ko.stride_page, stride_ko_slot=ko.stride_slot, stride_ko_head=ko.stride_head,
-        stride_vo_page=vo.stride_page, stride_vo_slot=vo.stride_slot, stride_vo_head=vo.stride_head,
-        value_out_offset=vo.offset,
+        **_strides("kc", kc), **_strides("vc", vc), value_cache_offset=vc.offset,
+        **_strides("ko", ko), **_strides("vo", vo), value_out_offset=vo.offset,
         key_scale_value=float(args.key_scale_value), value_scale_value=float(args.value_scale_value),
-        **_scale_strides("ksc", args.key_scale_cache), **_scale_strides("vsc", args.value_scale_cache))
+        **_strides("ksc", args.key_scale_cache), **_strides("vsc", args.value_scale_cache))
     constexprs = dict(
         NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
         HND=args.layout == "HND" and args.cache_rank == 4, BLOCK=block, BLOCK_D=block_d,
