@@ -27,7 +27,7 @@ from jax.typing import DTypeLike
 from fp8kv.validate import check_slots_in_range, check_table_in_range, dequantized_shape
 
 from . import _args, _jnp, _triton
-from ._args import as_array, as_caches, as_scale, as_scale_cache, device_scale, side_array
+from ._args import as_array, as_caches, as_scales, device_array
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
 
@@ -40,20 +40,19 @@ def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format
     """The new caches, then the new side scale arrays (None for a side without one) if any."""
     caches = as_caches(caches)
     key, value, slots = as_array(key, "key"), as_array(value, "value"), as_array(slots, "slots")
-    key_scale, value_scale = as_scale(key_scale, "key_scale"), as_scale(value_scale, "value_scale")
-    key_scale_cache = as_scale_cache(key_scale_cache, "key_scale_cache")
-    value_scale_cache = as_scale_cache(value_scale_cache, "value_scale_cache")
+    key_scale, value_scale, key_scale_cache, value_scale_cache = as_scales(
+        key_scale, value_scale, key_scale_cache, value_scale_cache)
     args = _args.write_args(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
                             key_scale_cache, value_scale_cache, scale_rounding)
     if check_bounds:
         check_slots_in_range(_args.host_values(slots, "slots"), args.key_cache.num_slots)
-    sides = (side_array(key_scale_cache), side_array(value_scale_cache))
+    sides = (device_array(key_scale_cache), device_array(value_scale_cache))
     tail = () if sides == (None, None) else sides
     if args.num_tokens == 0:  # nothing to write: no launch
         return caches + tail
     impl = _triton if _args.use_triton((key, value, *caches, slots, *sides)) else _jnp
     out = impl.write_kv(key, value, caches[0], None if args.combined else caches[1], slots,
-                        device_scale(key_scale), device_scale(value_scale), *sides, args=args)
+                        device_array(key_scale), device_array(value_scale), *sides, args=args)
     # out: (key_cache, value_cache) or (kv_cache,), then the two side arrays (or None)
     return tuple(out[:-2]) + (tuple(out[-2:]) if tail else ())
 
@@ -182,9 +181,8 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
                 key_scale_cache, value_scale_cache, head_dim, check_bounds):
     caches = as_caches(caches)
     block_table = as_array(block_table, "block_table")
-    key_scale, value_scale = as_scale(key_scale, "key_scale"), as_scale(value_scale, "value_scale")
-    key_scale_cache = as_scale_cache(key_scale_cache, "key_scale_cache")
-    value_scale_cache = as_scale_cache(value_scale_cache, "value_scale_cache")
+    key_scale, value_scale, key_scale_cache, value_scale_cache = as_scales(
+        key_scale, value_scale, key_scale_cache, value_scale_cache)
     args = _args.dequantize_args(caches, block_table, key_scale, value_scale,
                                  _args.dtype_name(dtype), layout, fp8_format, null_page,
                                  key_scale_cache, value_scale_cache, head_dim)
@@ -196,10 +194,10 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
         shape = dequantized_shape(args, combined)
         pages = (jnp.zeros(shape, args.out_dtype),) * (1 if combined else 2)
         return (*pages, jnp.zeros((args.batch, args.pages_per_seq), jnp.int32))
-    sides = (side_array(key_scale_cache), side_array(value_scale_cache))
+    sides = (device_array(key_scale_cache), device_array(value_scale_cache))
     impl = _triton if _args.use_triton((*caches, block_table, *sides)) else _jnp
     return impl.dequantize_pages(caches[0], None if combined else caches[1], block_table,
-                                 device_scale(key_scale), device_scale(value_scale), *sides,
+                                 device_array(key_scale), device_array(value_scale), *sides,
                                  args=args, combined=combined)
 
 

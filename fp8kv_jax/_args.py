@@ -32,27 +32,14 @@ def as_caches(caches) -> tuple:
     return tuple(as_array(c, name) for c, name in zip(caches, names))
 
 
-def as_scale(scale, name: str):
-    """A scale as given, a NumPy array made a JAX array (the core checks the rest)."""
-    return as_array(scale, name) if isinstance(scale, np.ndarray) else scale
+def as_scales(*scales) -> tuple:
+    """Scales and scale caches as given, NumPy arrays made JAX arrays (the core checks the rest)."""
+    return tuple(jnp.asarray(s) if isinstance(s, np.ndarray) else s for s in scales)
 
 
-def as_scale_cache(scale_cache, name: str):
-    """A scale cache as given, a NumPy array made a JAX array (the core checks the rest)."""
-    return as_array(scale_cache, name) if isinstance(scale_cache, np.ndarray) else scale_cache
-
-
-def side_array(scale_cache):
-    """The side scale array the kernel writes or reads, or None (no dynamic scales, inline)."""
-    return scale_cache if isinstance(scale_cache, jax.Array) else None
-
-
-def scale_cache_arg(scale_cache):
-    return info(scale_cache) if isinstance(scale_cache, jax.Array) else scale_cache
-
-
-def device_scale(scale):
-    """The scale array the kernel reads, or None for a host float (a plan scalar) or no scale."""
+def device_array(scale):
+    """The array the kernel reads (or writes) for a scale or scale cache, or None: a host float
+    (a plan scalar), no scale, or an inline scale cache."""
     return scale if isinstance(scale, jax.Array) else None
 
 
@@ -69,7 +56,8 @@ def info(x) -> ArrayInfo:
 
 
 def scale_arg(scale):
-    """A scale as the core sees it: None, a number, or an ArrayInfo."""
+    """A scale or scale cache as the core sees it: None, a number, ``"inline"`` (or any other
+    object, which the core rejects), or an ArrayInfo."""
     return info(scale) if isinstance(scale, jax.Array) else scale
 
 
@@ -90,8 +78,8 @@ def write_args(key, value, caches, slots, key_scale, value_scale, layout, fp8_fo
         None if combined else info(caches[1]), info(slots), scale_arg(key_scale),
         scale_arg(value_scale), layout=layout, fp8_format=fp8_format,
         kv_cache=info(caches[0]) if combined else None,
-        key_scale_cache=scale_cache_arg(key_scale_cache),
-        value_scale_cache=scale_cache_arg(value_scale_cache), scale_rounding=scale_rounding)
+        key_scale_cache=scale_arg(key_scale_cache),
+        value_scale_cache=scale_arg(value_scale_cache), scale_rounding=scale_rounding)
 
 
 def dequantize_args(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
@@ -103,8 +91,8 @@ def dequantize_args(caches, block_table, key_scale, value_scale, dtype, layout, 
         info(block_table), scale_arg(key_scale), scale_arg(value_scale), dtype=dtype,
         layout=layout, fp8_format=fp8_format, null_page=null_page,
         kv_cache=info(caches[0]) if combined else None,
-        key_scale_cache=scale_cache_arg(key_scale_cache),
-        value_scale_cache=scale_cache_arg(value_scale_cache), head_dim=head_dim)
+        key_scale_cache=scale_arg(key_scale_cache),
+        value_scale_cache=scale_arg(value_scale_cache), head_dim=head_dim)
 
 
 def _is_cuda(device) -> bool:
