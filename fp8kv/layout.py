@@ -95,7 +95,9 @@ def pages_shape(cache: PagedCache, layout: str, rank: int, num_entries: int,
 # ---------------------------------------------------------------------------------------------
 # Dynamic scales: where each written token's scale lives.
 
-INLINE_PADS = (4, 16)  # bytes after each head's data in an inline cache: the fp32 scale (+ zeros)
+# Bytes after each head's data in an inline cache: the fp32 scale alone (+4), or the scale and
+# 12 zero bytes, which keeps every head row a multiple of 16 bytes when head_dim is (+16).
+INLINE_PADS = (4, 16)
 
 
 @dataclass(frozen=True)

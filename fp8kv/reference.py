@@ -9,6 +9,8 @@ import ml_dtypes
 import numpy as np
 
 from .formats import CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, FORMAT_OF_DTYPE, FORMATS, Fp8Format
+from .validate import (INLINE, SCALE_ROUNDINGS, check_inline_pad, check_no_static_scale,
+                       check_scale_cache_arg)
 
 _NP_DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -62,11 +64,6 @@ def dequantize(q: np.ndarray, scale, fmt: Fp8Format, out_dtype: str) -> np.ndarr
 # ---------------------------------------------------------------------------------------------
 
 GRANULARITIES = ("token", "token_head")
-SCALE_ROUNDINGS = ("exact", "pow2")
-INLINE = "inline"
-# Bytes after each head's data in an inline cache: the fp32 scale alone (+4), or the scale and
-# 12 zero bytes, which keeps every head row a multiple of 16 bytes when head_dim is (+16).
-INLINE_PADS = (4, 16)
 SCALE_FLOOR = np.float32(DYNAMIC_SCALE_FLOOR)  # 1e-6 in fp32: the smallest dynamic scale (before pow2 rounding)
 
 
@@ -184,31 +181,6 @@ def _side_scales_view(scale_cache: np.ndarray, cache_shape, layout: str, name: s
                      f"{list(cache_shape)}, got {list(scale_cache.shape)}")
 
 
-def _inline_pad(width: int, head_dim: int, cache_name: str) -> int:
-    pad = width - head_dim
-    if pad not in INLINE_PADS:
-        raise ValueError(f"{cache_name}: expected a last dimension of head_dim + 4 "
-                         f"({head_dim + 4}) or head_dim + 16 ({head_dim + 16}) for an inline "
-                         f"scale cache, got {width}")
-    return pad
-
-
-def _check_scale_cache_arg(scale_cache, name: str) -> None:
-    if isinstance(scale_cache, str):
-        if scale_cache != INLINE:
-            raise ValueError(f"{name}: expected None, 'inline' or a float32 array, got "
-                             f"{scale_cache!r}")
-    elif scale_cache is not None and not isinstance(scale_cache, np.ndarray):
-        raise TypeError(f"{name}: expected None, 'inline' or a float32 array, got "
-                        f"{type(scale_cache).__name__}")
-
-
-def _check_no_static_scale(scale, scale_cache, name: str) -> None:
-    if scale is not None and scale_cache is not None:
-        raise ValueError(f"{name}: expected None when {name}_cache is given (the scales are then "
-                         f"per token), got {type(scale).__name__}")
-
-
 def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_scale=None, *,
              layout="NHD", fp8_format=None, key_scale_cache=None, value_scale_cache=None,
              scale_rounding="exact"):
@@ -240,8 +212,8 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
     for side, x, cache, scale, scale_cache in (
             ("key", key, key_cache, key_scale, key_scale_cache),
             ("value", value, value_cache, value_scale, value_scale_cache)):
-        _check_scale_cache_arg(scale_cache, f"{side}_scale_cache")
-        _check_no_static_scale(scale, scale_cache, f"{side}_scale")
+        check_scale_cache_arg(scale_cache, f"{side}_scale_cache", np.ndarray)
+        check_no_static_scale(scale, scale_cache, f"{side}_scale")
         x = np.asarray(x)
         num_tokens, num_heads, head_dim = x.shape
         cache = np.array(cache, copy=True)
@@ -254,7 +226,7 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
         else:
             inline = isinstance(scale_cache, str)
             if inline:
-                pad = _inline_pad(width, head_dim, f"{side}_cache")
+                pad = check_inline_pad(width, head_dim, f"{side}_cache")
                 granularity = "token_head"
             else:
                 scale_cache = np.array(scale_cache, copy=True)
@@ -310,15 +282,15 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
     results = []
     for side, cache, scale, scale_cache in (("key", key_cache, key_scale, key_scale_cache),
                                             ("value", value_cache, value_scale, value_scale_cache)):
-        _check_scale_cache_arg(scale_cache, f"{side}_scale_cache")
-        _check_no_static_scale(scale, scale_cache, f"{side}_scale")
+        check_scale_cache_arg(scale_cache, f"{side}_scale_cache", np.ndarray)
+        check_no_static_scale(scale, scale_cache, f"{side}_scale")
         cache = np.asarray(cache)
         fmt = resolve_format(cache.dtype.name, fp8_format)
         pages = _pages_view(cache.view(np.uint8), layout)
         num_pages, page_size, num_heads, width = pages.shape
         inline = isinstance(scale_cache, str)
         if inline:
-            _inline_pad(width, head_dim, f"{side}_cache")
+            check_inline_pad(width, head_dim, f"{side}_cache")
             data_dim = head_dim
             # [P, S, H]: the 4 scale bytes of every head row, read as little-endian fp32
             side_scales = np.ascontiguousarray(pages[..., head_dim:head_dim + 4]).view("<f4")

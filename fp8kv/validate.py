@@ -113,8 +113,7 @@ def check_scale(scale, name: str, num_heads: int, device: str):
     if scale is None:
         return ScaleMode.NONE, 1.0
     if isinstance(scale, ArrayInfo):
-        if scale.dtype != "float32":
-            raise TypeError(f"{name}: expected dtype float32, got {scale.dtype}")
+        check_dtype(scale, name, ("float32",))
         if scale.shape not in ((), (1,), (num_heads,)):
             raise ValueError(f"{name}: expected shape [], [1] or [{num_heads}] (num_kv_heads), got "
                              f"{fmt_shape(scale.shape)}")
@@ -142,14 +141,15 @@ INLINE = "inline"
 SCALE_ROUNDINGS = ("exact", "pow2")
 
 
-def check_scale_cache_arg(scale_cache, name: str):
-    """None, ``"inline"`` or an :class:`ArrayInfo` (a frontend's array); anything else raises."""
+def check_scale_cache_arg(scale_cache, name: str, array_type: type = ArrayInfo):
+    """None, ``"inline"`` or an array: an :class:`ArrayInfo` (a frontend's array), or what
+    ``array_type`` says (the reference's NumPy arrays); anything else raises."""
     if isinstance(scale_cache, str):
         if scale_cache != INLINE:
             raise ValueError(f"{name}: expected None, 'inline' or a float32 array, got "
                              f"{scale_cache!r}")
         return scale_cache
-    if scale_cache is not None and not isinstance(scale_cache, ArrayInfo):
+    if scale_cache is not None and not isinstance(scale_cache, array_type):
         raise TypeError(f"{name}: expected None, 'inline' or a float32 array, got "
                         f"{type(scale_cache).__name__}")
     return scale_cache
@@ -160,6 +160,23 @@ def check_scale_rounding(scale_rounding) -> bool:
     if not isinstance(scale_rounding, str) or scale_rounding not in SCALE_ROUNDINGS:
         raise ValueError(f"scale_rounding: expected 'exact' or 'pow2', got {scale_rounding!r}")
     return scale_rounding == "pow2"
+
+
+def check_no_static_scale(scale, scale_cache, scale_name: str) -> None:
+    """A side with dynamic scales (``scale_cache`` given) takes no static scale."""
+    if scale is not None and scale_cache is not None:
+        raise ValueError(f"{scale_name}: expected None when {scale_name}_cache is given (the "
+                         f"scales are then dynamic), got {type(scale).__name__}")
+
+
+def check_inline_pad(width: int, head_dim: int, cache_name: str) -> int:
+    """The bytes after each head's ``head_dim`` codes in an inline-scale cache row of ``width``."""
+    pad = width - head_dim
+    if pad not in INLINE_PADS:
+        raise ValueError(f"{cache_name}: expected a last dimension of head_dim + 4 "
+                         f"({head_dim + 4}) or head_dim + 16 ({head_dim + 16}) for an inline "
+                         f"scale cache, got {width}")
+    return pad
 
 
 def check_inline(key_scale_cache, value_scale_cache, kc: PagedCache, vc: PagedCache,
@@ -175,12 +192,7 @@ def check_inline(key_scale_cache, value_scale_cache, kc: PagedCache, vc: PagedCa
                          f"{other if other is None or isinstance(other, str) else 'an array'}")
     if not k_inline:
         return kc, vc, 0
-    width = kc.head_dim
-    pad = width - head_dim
-    if pad not in INLINE_PADS:
-        raise ValueError(f"{cache_name}: expected a last dimension of head_dim + 4 "
-                         f"({head_dim + 4}) or head_dim + 16 ({head_dim + 16}) for an inline "
-                         f"scale cache, got {width}")
+    pad = check_inline_pad(kc.head_dim, head_dim, cache_name)
     return inline_data(kc, head_dim), inline_data(vc, head_dim), pad
 
 
@@ -189,13 +201,10 @@ def check_scale_cache(scale_cache, name: str, scale, scale_name: str, cache: Pag
     """``(mode, geometry)`` of one side's dynamic scales; ``(None, None)`` without them."""
     if scale_cache is None:
         return None, None
-    if scale is not None:
-        raise ValueError(f"{scale_name}: expected None when {name} is given (the scales are then "
-                         f"dynamic), got {type(scale).__name__}")
+    check_no_static_scale(scale, scale_cache, scale_name)
     if scale_cache == INLINE:
         return ScaleMode.TOKEN_HEAD, None
-    if scale_cache.dtype != "float32":
-        raise TypeError(f"{name}: expected dtype float32, got {scale_cache.dtype}")
+    check_dtype(scale_cache, name, ("float32",))
     shapes = scale_cache_shapes(cache, layout, rank)
     if scale_cache.shape not in shapes.values():
         raise ValueError(f"{name}: expected shape {fmt_shape(shapes['token_head'])} (per token-head) "
@@ -360,8 +369,7 @@ def dequantized_shape(args: DequantArgs, combined: bool) -> tuple[int, ...]:
 
 def check_out(out: ArrayInfo, name: str, shape, dtype: str, device: str) -> None:
     """A caller-provided output: exact shape and dtype, same device, unit last stride."""
-    if out.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {out.dtype}")
+    check_dtype(out, name, (dtype,))
     if out.shape != tuple(shape):
         raise ValueError(f"{name}: expected shape {fmt_shape(shape)}, got {fmt_shape(out.shape)}")
     if out.device != device:
