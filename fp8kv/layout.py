@@ -40,18 +40,14 @@ class PagedCache:
         return self.stride_head == self.head_dim or self.num_heads == 1
 
     def packed_pages(self, layout: str) -> bool:
-        """A page's ``page_size * num_heads * head_dim`` elements are contiguous, in layout order."""
-        return page_is_packed(layout, self.page_size, self.num_heads, self.head_dim,
-                              self.stride_slot, self.stride_head)
-
-
-def page_is_packed(layout, page_size, num_heads, head_dim, stride_slot, stride_head) -> bool:
-    rows_packed = stride_head == head_dim or num_heads == 1
-    if page_size == 1:
-        return rows_packed
-    if layout == "NHD":
-        return rows_packed and stride_slot == num_heads * head_dim
-    return stride_slot == head_dim and (num_heads == 1 or stride_head == page_size * head_dim)
+        """A page's ``page_size * num_heads * head_dim`` elements are contiguous, in layout
+        order."""
+        if self.page_size == 1:
+            return self.packed_rows
+        if layout == "NHD":
+            return self.packed_rows and self.stride_slot == self.num_heads * self.head_dim
+        return self.stride_slot == self.head_dim and (
+            self.num_heads == 1 or self.stride_head == self.page_size * self.head_dim)
 
 
 def expected_cache_shape(layout: str, rank: int) -> str:
