@@ -64,7 +64,8 @@ def _dequantize(codes, scale, fmt, out_dtype: str, keep):
 
 
 def _slot_index(slots, cache, layout: str, rank: int, combined: bool):
-    """Index of each token's ``[(2,) num_kv_heads, head_dim]`` row for ``.at[]``."""
+    """Index of each token's ``[(2,) num_kv_heads, head_dim]`` row for ``.at[]`` (in a side
+    scale array: its ``[num_kv_heads]`` or single entry)."""
     keep = _in_range(slots, cache.num_pages * cache.page_size)
     # Padding must point past the last page, which mode="drop" skips (.at[-1] would wrap around).
     page = jnp.where(keep, slots // cache.page_size, cache.num_pages)
@@ -111,18 +112,6 @@ def _quantize_side(x, scale, mode, value, args):
     return codes, s
 
 
-def _scale_index(slots, cache, layout: str, rank: int, per_head: bool):
-    """Index of each token's entry (``[H]`` per head, else one) of a side scale array."""
-    keep = _in_range(slots, cache.num_pages * cache.page_size)
-    page = jnp.where(keep, slots // cache.page_size, cache.num_pages)
-    offset = slots % cache.page_size
-    if rank == 3:
-        return (page,)
-    if per_head and layout == "HND":
-        return (page, slice(None), offset)
-    return (page, offset)
-
-
 @functools.partial(jax.jit, static_argnames=("args",))
 def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, key_scale_cache,
              value_scale_cache, *, args):
@@ -139,8 +128,10 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
     for sc, s, mode in ((key_scale_cache, sk, args.key_scale_mode),
                         (value_scale_cache, sv, args.value_scale_mode)):
         if sc is not None:
-            sc = sc.at[_scale_index(slots, args.key_cache, args.layout, rank,
-                                    mode == ScaleMode.TOKEN_HEAD)].set(s, mode="drop")
+            # A side array is indexed as its cache without head_dim; a per-token one ([P, S] in
+            # either layout) as an NHD cache without heads.
+            layout = args.layout if mode == ScaleMode.TOKEN_HEAD else "NHD"
+            sc = sc.at[_slot_index(slots, args.key_cache, layout, rank, False)].set(s, mode="drop")
         scale_out.append(sc)
     if combined:
         return (_scatter(key_cache, index, jnp.stack([qk, qv], axis=1)), *scale_out)
