@@ -62,7 +62,8 @@ def _launch(kernel, plan, arrays: dict, aliased: tuple[str, ...] = ()):
 
 
 def _like(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    """The output that ``x`` is aliased to, or the unused one without ``x``."""
+    return _UNUSED_OUTPUT if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("args",))
@@ -81,12 +82,9 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
                   value_cache_ptr=key_cache if args.combined else value_cache, slot_ptr=slots,
                   key_scale_ptr=slots if key_scale is None else key_scale,
                   value_scale_ptr=slots if value_scale is None else value_scale,
-                  key_cache_out_ptr=_like(key_cache),
-                  value_cache_out_ptr=_UNUSED_OUTPUT if args.combined else _like(value_cache),
-                  key_scale_out_ptr=_UNUSED_OUTPUT if key_scale_cache is None
-                  else _like(key_scale_cache),
-                  value_scale_out_ptr=_UNUSED_OUTPUT if value_scale_cache is None
-                  else _like(value_scale_cache))
+                  key_cache_out_ptr=_like(key_cache), value_cache_out_ptr=_like(value_cache),
+                  key_scale_out_ptr=_like(key_scale_cache),
+                  value_scale_out_ptr=_like(value_scale_cache))
     aliased = ("key_cache",) if args.combined else ("key_cache", "value_cache")
     aliased += ("key_scale",) * (key_scale_cache is not None)
     aliased += ("value_scale",) * (value_scale_cache is not None)

@@ -18,8 +18,6 @@ __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_page
 
 Tensor = torch.Tensor
 Scale = Union[float, Tensor, None]
-
-
 ScaleCache = Union[Tensor, str, None]
 
 

@@ -24,8 +24,6 @@ def split_scale_cache(scale_cache):
 
     Anything else (a wrong type or string) is passed on as is by the eager path, which rejects
     it; here it is left to the op's own validation, which sees the same argument."""
-    if isinstance(scale_cache, Tensor) or scale_cache is None:
-        return scale_cache, False
     if isinstance(scale_cache, str) and scale_cache == "inline":
         return None, True
     return scale_cache, False
