@@ -45,6 +45,14 @@ E5M2 = Fp8Format("e5m2", "float8_e5m2", 5, 2, 57344.0, 0x7B, 0x7F)
 FORMATS = {f.name: f for f in (E4M3, E5M2)}
 FORMAT_OF_DTYPE = {f.dtype: f for f in (E4M3, E5M2)}
 
+
+def resolve_format(cache_dtype: str, fp8_format: str | None) -> Fp8Format:
+    """The format of a cache: its own dtype's, or ``fp8_format`` (default e4m3) for uint8."""
+    if cache_dtype in FORMAT_OF_DTYPE:
+        return FORMAT_OF_DTYPE[cache_dtype]
+    return FORMATS[fp8_format or "e4m3"]
+
+
 INPUT_DTYPES = ("bfloat16", "float16", "float32")
 OUTPUT_DTYPES = INPUT_DTYPES
 CACHE_DTYPES = ("float8_e4m3fn", "float8_e5m2", "uint8")

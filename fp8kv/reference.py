@@ -8,7 +8,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .formats import CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, FORMAT_OF_DTYPE, FORMATS, Fp8Format
+from .formats import (CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, FORMATS, Fp8Format,
+                      resolve_format)
 from .validate import (INLINE, SCALE_ROUNDINGS, check_inline_pad, check_no_static_scale,
                        check_scale_cache_arg)
 
@@ -25,13 +26,6 @@ _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 def np_dtype(name: str) -> np.dtype:
     return _NP_DTYPES[name]
-
-
-def resolve_format(cache_dtype: str, fp8_format: str | None) -> Fp8Format:
-    """The format of a cache: its own dtype's, or ``fp8_format`` (default e4m3) for uint8."""
-    if cache_dtype in FORMAT_OF_DTYPE:
-        return FORMAT_OF_DTYPE[cache_dtype]
-    return FORMATS[fp8_format or "e4m3"]
 
 
 def quantize(x: np.ndarray, scale, fmt: Fp8Format) -> np.ndarray:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .arrays import ArrayInfo, fmt_shape
 from .formats import (CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, INPUT_DTYPES, OUTPUT_DTYPES,
-                      SLOT_DTYPES, Fp8Format)
+                      SLOT_DTYPES, Fp8Format, resolve_format)
 from .layout import (INLINE_PADS, LAYOUTS, PagedCache, ScaleCache, combined_halves,
                      expected_cache_shape, inline_data, paged, pages_shape,
                      scale_cache as scale_cache_geometry, scale_cache_shapes)
@@ -32,13 +32,11 @@ def check_layout(layout) -> str:
 def check_format(cache: ArrayInfo, fp8_format, name: str) -> Fp8Format:
     if fp8_format is not None and fp8_format not in FORMATS:
         raise ValueError(f"fp8_format: expected 'e4m3', 'e5m2' or None, got {fp8_format!r}")
-    if cache.dtype in FORMAT_OF_DTYPE:
-        fmt = FORMAT_OF_DTYPE[cache.dtype]
-        if fp8_format is not None and fp8_format != fmt.name:
-            raise ValueError(f"fp8_format: {name} is {cache.dtype}, which is {fmt.name!r}, "
-                             f"got fp8_format={fp8_format!r}")
-        return fmt
-    return FORMATS[fp8_format or "e4m3"]
+    fmt = resolve_format(cache.dtype, fp8_format)
+    if cache.dtype in FORMAT_OF_DTYPE and fp8_format not in (None, fmt.name):
+        raise ValueError(f"fp8_format: {name} is {cache.dtype}, which is {fmt.name!r}, "
+                         f"got fp8_format={fp8_format!r}")
+    return fmt
 
 
 def check_dtype(info: ArrayInfo, name: str, allowed) -> None:
