@@ -33,5 +33,4 @@ class OutKind(enum.IntEnum):
     FLOAT32 = 2
 
 
-OUT_KIND_OF_DTYPE = {"bfloat16": OutKind.BFLOAT16, "float16": OutKind.FLOAT16,
-                     "float32": OutKind.FLOAT32}
+OUT_KIND_OF_DTYPE = {kind.name.lower(): kind for kind in OutKind}   # members named after dtypes

@@ -240,8 +240,7 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
                 if side_scales is not None:
                     side_scales[page, offset] = s[t]
         out.append(cache)
-        scale_out.append(None if scale_cache is None or isinstance(scale_cache, str)
-                         else scale_cache)
+        scale_out.append(None if side_scales is None else scale_cache)
     if all(s is None for s in scale_out):
         return tuple(out)
     return tuple(out) + tuple(scale_out)

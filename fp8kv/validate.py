@@ -146,8 +146,7 @@ def check_scale_cache_arg(scale_cache, name: str, array_type: type = ArrayInfo):
         if scale_cache != INLINE:
             raise ValueError(f"{name}: expected None, 'inline' or a float32 array, got "
                              f"{scale_cache!r}")
-        return scale_cache
-    if scale_cache is not None and not isinstance(scale_cache, array_type):
+    elif scale_cache is not None and not isinstance(scale_cache, array_type):
         raise TypeError(f"{name}: expected None, 'inline' or a float32 array, got "
                         f"{type(scale_cache).__name__}")
     return scale_cache
@@ -226,10 +225,9 @@ def _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc,
                                    ("value", value_scale, value_scale_cache, vc)):
         mode, geometry = check_scale_cache(sc, f"{side}_scale_cache", scale, f"{side}_scale",
                                            cache, layout, rank, device)
+        value = 1.0   # a dynamic side's codes use the scales it computes or reads
         if mode is None:
             mode, value = check_scale(scale, f"{side}_scale", num_heads, device)
-        else:
-            value = 1.0
         sides.append((mode, value, geometry))
     return sides
 
