@@ -282,9 +282,8 @@ def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scal
     kc, vc, pad = check_inline(key_scale_cache, value_scale_cache, kc, vc, head_dim, cache_name)
     if (kc.num_heads, kc.head_dim) != (num_heads, head_dim):
         other = "HND" if layout == "NHD" else "NHD"
-        hint = ""
-        if kc.page_size == num_heads and kc.head_dim == head_dim:
-            hint = f"; these shapes fit layout={other!r}"
+        fits_other = kc.page_size == num_heads and kc.head_dim == head_dim  # heads <-> page_size
+        hint = f"; these shapes fit layout={other!r}" if fits_other else ""
         raise ValueError(f"{cache_name}: expected num_kv_heads={num_heads} and head_dim={head_dim} "
                          f"(those of key), got num_kv_heads={kc.num_heads} and head_dim={kc.head_dim} "
                          f"with layout={layout!r}{hint}")

@@ -191,8 +191,7 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
                              args.key_cache.num_pages, null_page)
     combined = len(caches) == 1
     if args.batch * args.pages_per_seq == 0:  # no pages to read: no launch
-        shape = dequantized_shape(args, combined)
-        pages = (jnp.zeros(shape, args.out_dtype),) * (1 if combined else 2)
+        pages = (jnp.zeros(dequantized_shape(args, combined), args.out_dtype),) * len(caches)
         return (*pages, jnp.zeros((args.batch, args.pages_per_seq), jnp.int32))
     sides = (device_array(key_scale_cache), device_array(value_scale_cache))
     impl = _triton if _args.use_triton((*caches, block_table, *sides)) else _jnp
