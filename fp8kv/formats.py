@@ -8,6 +8,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Fp8Format:
@@ -22,6 +24,12 @@ class Fp8Format:
     @property
     def bias(self) -> int:
         return (1 << (self.exp_bits - 1)) - 1
+
+    @property
+    def reciprocal_max(self) -> float:
+        """``RN(1 / max_value)`` in fp32 (numpy's fp32 division is IEEE): the fast path's
+        constant for ``amax / max_value``."""
+        return float(np.float32(1) / np.float32(self.max_value))
 
     @property
     def subnormal_unit(self) -> float:

@@ -13,7 +13,7 @@ import triton
 
 from .arrays import ArrayInfo
 from .layout import combined_halves, paged
-from .modes import OUT_KIND_OF_DTYPE
+from .modes import OUT_KIND_OF_DTYPE, ScaleMode
 from .validate import DequantArgs, WriteArgs
 
 INTERPRET, CUDA = "interpret", "cuda"
@@ -26,11 +26,15 @@ INTERPRET, CUDA = "interpret", "cuda"
 # reciprocal_div: small batches divide by a per-tensor scale with one reciprocal and FMA
 # corrections (exact, see fp8_math.divide), which shortens each thread's dependency chain
 # (16 tokens: 2.39 vs 2.50 us); large batches keep div.rn, faster there (97.8 vs 100.0 us).
+# loads_first_elems: per-token-head writes load both sides' tiles before the first amax when a
+# tile has at most this many elements (H200, 65,536 tokens, 8 x 128: 107.4 vs 109.6 us); larger
+# tiles (8 x 256: 234 vs 211 us, register pressure) and per-token scales (8 x 128: 112 vs 107 us)
+# run one side after the other. The interpreter takes both orders (per-token-head / per-token).
 WRITE_SIZES = {
     CUDA: dict(tile=1024, max_block_hd=1024, num_warps=2, small_batch_warps=8,
-               small_batch_elems=1 << 20, reciprocal_div=True),
+               small_batch_elems=1 << 20, reciprocal_div=True, loads_first_elems=1024),
     INTERPRET: dict(tile=1 << 16, max_block_hd=1 << 16, num_warps=1, small_batch_warps=1,
-                    small_batch_elems=0, reciprocal_div=False),
+                    small_batch_elems=0, reciprocal_div=False, loads_first_elems=1 << 16),
 }
 DEQUANT_SIZES = {
     CUDA: dict(block=2048, num_warps=4),
@@ -126,6 +130,8 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
         CACHE_ALIGN=pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
                                  vc.stride_slot, vc.stride_head, vc.offset),
         RECIPROCAL_DIV=sizes["reciprocal_div"] and small,
+        DYNAMIC_LOADS_FIRST=(args.key_scale_mode == args.value_scale_mode == ScaleMode.TOKEN_HEAD
+                             and block_t * block_h * block_d <= sizes["loads_first_elems"]),
         # One buffer holds both caches: V goes through the K output (one output per buffer).
         SHARED_OUT=args.combined)
     num_warps = sizes["small_batch_warps"] if small else sizes["num_warps"]

@@ -377,6 +377,76 @@ def test_gpu_large_batch_special_groups(fmt, special):
 
 
 @requires_cuda
+@pytest.mark.parametrize("fmt,amax,granularity,rounding", [
+    ("e4m3", 1.0, "tokenhead", "exact"), ("e4m3", 448.0, "tokenhead", "exact"),
+    ("e4m3", 0.37, "tokenhead", "exact"), ("e4m3", 3.3e-4, "tokenhead", "exact"),
+    ("e4m3", 1e-30, "tokenhead", "exact"), ("e4m3", 3.0e38, "tokenhead", "exact"),
+    ("e4m3", 7.1, "token", "exact"), ("e4m3", 0.37, "tokenhead", "pow2"),
+    ("e4m3", 3.0e38, "token", "pow2"), ("e5m2", 1.0, "tokenhead", "exact"),
+    ("e5m2", 0.37, "tokenhead", "exact"), ("e5m2", 1.7e-4, "tokenhead", "exact"),
+    ("e5m2", 2.9e37, "token", "exact"), ("e5m2", 1.7e-4, "tokenhead", "pow2")])
+def test_gpu_fast_path_on_all_inputs_below_the_amax(fmt, amax, granularity, rounding):
+    """The fast write (hardware conversions, NaN-dropping max.f32) gives the exact path's bytes
+    for every fp32 value within 27 binades below the group's amax -- all that quantize to more
+    than +-0 in either format -- plus every subnormal and zero, both signs, and NaN/inf groups.
+    Each head row is [amax, 127 of those values]."""
+    a = torch.tensor(amax, dtype=torch.float32)
+    top = int(a.view(torch.int32))
+    mags = torch.cat([torch.arange(max(top - (27 << 23), 1 << 23), top + 1),
+                      torch.arange(0, 1 << 23), torch.tensor([0x7F800000, 0x7FC00000, 0x7F800001])])
+    values = torch.cat([mags, mags | (1 << 31)]).to(torch.int32).view(torch.float32).cuda()
+    heads, chunk = 8, 127 * 8 * 65536
+    for start in range(0, values.numel(), chunk):
+        part = values[start:start + chunk]
+        rows = -(-part.numel() // 127)
+        body = torch.cat([part, part.new_zeros(rows * 127 - part.numel())]).view(rows, 127)
+        tokens = -(-rows // heads)
+        x = torch.zeros(tokens * heads, 128, device="cuda")
+        x[:rows, 0] = amax
+        x[:rows, 1:] = body
+        x = x.view(tokens, heads, 128)
+        slots = torch.arange(tokens, device="cuda")
+        got = []
+        for exact in (False, True):
+            out = [torch.empty(tokens, heads, 128, dtype=torch.uint8, device="cuda"),
+                   torch.empty(tokens, heads, 128, dtype=torch.uint8, device="cuda"),
+                   torch.empty((tokens, heads) if granularity == "tokenhead" else (tokens,),
+                               device="cuda")]
+            out.append(torch.empty_like(out[2]))
+            _launch.write_kv(x, -x, out[0], out[1], slots, None, None, "NHD", fmt, exact=exact,
+                             key_scale_cache=out[2], value_scale_cache=out[3],
+                             scale_rounding=rounding)
+            got.append(out)
+        for fast, exact in zip(*got):
+            assert torch.equal(fast, exact), f"values {start}..{start + chunk} differ"
+
+
+@requires_cuda
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_gpu_fast_scale_on_every_amax(fmt):
+    """The fast path's scale (``amax / fmax`` by a constant reciprocal and FMA corrections,
+    fp8_math.dynamic_scale) equals the exact path's ``div_rn`` for every finite fp32 amax and
+    inf: each head row is [amax, 0, ...]."""
+    heads, head_dim, chunk = 8, 16, 1 << 25
+    for start in range(0, 0x7F800001, chunk):
+        amax = torch.arange(start, min(start + chunk, 0x7F800001), device="cuda")
+        amax = amax.to(torch.int32).view(torch.float32)
+        tokens = -(-amax.numel() // heads)
+        x = torch.zeros(tokens * heads, head_dim, device="cuda")
+        x[:amax.numel(), 0] = amax
+        x = x.view(tokens, heads, head_dim)
+        slots = torch.arange(tokens, device="cuda")
+        got = []
+        for exact in (False, True):
+            cache = torch.empty(tokens, heads, head_dim, dtype=torch.uint8, device="cuda")
+            scales = torch.empty(tokens, heads, device="cuda")
+            _launch.write_kv(x, x, cache, cache, slots, None, None, "NHD", fmt, exact=exact,
+                             key_scale_cache=scales, value_scale_cache=scales)
+            got.append(scales)
+        assert torch.equal(got[0], got[1]), f"amax bits {start:#x}.. differ"
+
+
+@requires_cuda
 def test_gpu_cuda_graph_capture_with_scale_caches():
     case = DynCase(tokens=8, heads=2, head_dim=64, page_size=16)
     x = inputs(case)

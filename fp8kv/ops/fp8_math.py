@@ -25,6 +25,8 @@ SCALE_TOKEN_HEAD: tl.constexpr = tl.constexpr(int(ScaleMode.TOKEN_HEAD))
 SCALE_FLOOR: tl.constexpr = tl.constexpr(formats.DYNAMIC_SCALE_FLOOR)
 E4M3_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E4M3.max_value)
 E5M2_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E5M2.max_value)
+E4M3_RCP_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E4M3.reciprocal_max)
+E5M2_RCP_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E5M2.reciprocal_max)
 OUT_BFLOAT16: tl.constexpr = tl.constexpr(int(OutKind.BFLOAT16))
 OUT_FLOAT16: tl.constexpr = tl.constexpr(int(OutKind.FLOAT16))
 OUT_FLOAT32: tl.constexpr = tl.constexpr(int(OutKind.FLOAT32))
@@ -89,13 +91,53 @@ def divide(x, s, SCALAR: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.const
 
 
 @jit
+def divide_by_group_scale(x, s):
+    """``x / s`` for a dynamic scale (``s`` = the group's scale, broadcastable to ``x``), giving
+    ``RN(x / s)`` wherever that quantizes to more than +-0 -- the same fp8 code as ``div_rn``.
+
+    One reciprocal per group (``y = RN(1/s)``), then per element ``q0 = RN(x y)`` and two FMA
+    corrections ``q_{i+1} = RN(q_i - RN(q_i s - x) y)``, as in :func:`divide`, without its range
+    checks: ``x`` is in its own group, so ``|x / s|`` is at most about the format's max, and
+    ``s >= 2**-20`` (the floor), which keeps ``y`` normal and every remainder exact unless
+    ``|x / s| < 2**-83`` -- a quotient that is +-0 in fp8 however it rounds, with ``x``'s sign:
+    the remainder is taken as ``q s - x`` (not ``x - q s``) so that a +-0 ``x`` keeps its sign
+    through the corrections. An infinite scale corrects with 0 instead of ``inf``: ``q0`` (+-0,
+    or NaN for ``x = inf``) is then already right. The GPU suite checks it against ``div_rn`` on
+    every fp32 input within 27 binades below the amax.
+    """
+    y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    neg_y = -y
+    s = tl.where(s == _INF, 0.0, s)
+    neg_x = x * -1.0    # not -x: Triton lowers that as 0 - x, which turns -0 into +0
+    q0 = x * y
+    q1 = tl.math.fma(tl.math.fma(q0, s, neg_x), neg_y, q0)
+    return tl.math.fma(tl.math.fma(q1, s, neg_x), neg_y, q1)
+
+
+@jit
 def load_as_fp32(ptr, offsets, mask, EXACT: tl.constexpr):
-    """Load bf16/fp16/fp32 values as fp32; bf16 goes through its bits when EXACT."""
+    """Load bf16/fp16/fp32 values as fp32 (:func:`load_raw`, then :func:`raw_to_fp32`)."""
+    return raw_to_fp32(load_raw(ptr, offsets, mask, EXACT), EXACT)
+
+
+@jit
+def load_raw(ptr, offsets, mask, EXACT: tl.constexpr):
+    """Load bf16/fp16/fp32 values as stored -- bf16 as its uint16 bits when EXACT (the
+    interpreter's bf16 conversions are wrong); 0 where masked."""
     if EXACT and ptr.dtype.element_ty == tl.bfloat16:
-        bits = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offsets, mask=mask, other=0)
-        x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        raw = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offsets, mask=mask, other=0)
     else:
-        x = tl.load(ptr + offsets, mask=mask, other=0).to(tl.float32)
+        raw = tl.load(ptr + offsets, mask=mask, other=0)
+    return raw
+
+
+@jit
+def raw_to_fp32(raw, EXACT: tl.constexpr):
+    """fp32 of what :func:`load_raw` returned (uint16 there only for bf16 bits)."""
+    if EXACT and raw.dtype == tl.uint16:
+        x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = raw.to(tl.float32)
     return x
 
 
@@ -203,7 +245,9 @@ def fp32_to_output_bits(v, OUT_KIND: tl.constexpr, EXACT: tl.constexpr):
 
 @jit
 def max_combine(a, b):
-    """Combiner of ``tl.reduce`` for an amax: inputs are NaN-free (NaNs were replaced by 0).
+    """Combiner of ``tl.reduce`` for an amax. Compiled, ``tl.maximum`` is ``max.f32``, which
+    returns the other operand when one is NaN (the spec's amax ignores NaN; a group of NaNs only
+    reduces to NaN); the interpreter's propagates NaN, so the exact path clears NaNs first.
 
     Our own jitted function rather than ``tl.max``'s library combiner, so that the interpreter
     twin (:mod:`fp8kv.ops._dual`) rebinds it like every other helper.
@@ -212,17 +256,28 @@ def max_combine(a, b):
 
 
 @jit
-def dynamic_scale(amax, E5M2: tl.constexpr, POW2: tl.constexpr):
-    """The dynamic dequant scale of a group: ``max(amax / fmax, floor)``, then (POW2) the
+def dynamic_scale(amax, E5M2: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr):
+    """The dynamic dequant scale of a group: ``max(RN(amax / fmax), floor)``, then (POW2) the
     smallest power of two ``>= s``, exactly, on the fp32 bits (``inf`` stays ``inf``).
 
-    Plain fp32 operations: the exact and the fast path share them.
+    The fast path divides by the constant ``fmax`` as :func:`divide_by_reciprocal` does (a
+    constant ``RN(1/fmax)`` and two FMA corrections; a quotient small enough to underflow in
+    them is far below the floor), the exact path with ``div_rn``. The GPU suite compares the two
+    on every finite fp32 amax.
     """
     if E5M2:
         FMAX: tl.constexpr = E5M2_MAX_VALUE
+        RCP_FMAX: tl.constexpr = E5M2_RCP_MAX_VALUE
     else:
         FMAX: tl.constexpr = E4M3_MAX_VALUE
-    s = tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32))
+        RCP_FMAX: tl.constexpr = E4M3_RCP_MAX_VALUE
+    if EXACT:
+        s = tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32))
+    else:
+        q0 = amax * RCP_FMAX
+        q1 = tl.math.fma(tl.math.fma(q0, -FMAX, amax), RCP_FMAX, q0)
+        q2 = tl.math.fma(tl.math.fma(q1, -FMAX, amax), RCP_FMAX, q1)
+        s = tl.where(amax == _INF, amax, q2)
     s = tl.maximum(s, tl.full(amax.shape, SCALE_FLOOR, tl.float32))
     if POW2:
         # s >= the floor is a positive normal or +inf: a power of two has a zero mantissa;

@@ -12,47 +12,71 @@ output (``*_cache_out_ptr``, written). A combined ``[num_pages, 2, ...]`` cache 
 caches, V ``value_cache_offset`` elements in; with ``SHARED_OUT`` V is written through the K output
 pointer, for frontends that give each buffer one output (jax-triton).
 
-Dynamic scales (``K_SCALE_MODE`` / ``V_SCALE_MODE`` TOKEN or TOKEN_HEAD) take the other loop,
-:func:`_write_dynamic`: a ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tile of whole rows, the amax a reduction
-over the head's dims (and, per token, over the heads). Each scale goes to ``*_scale_out_ptr`` (a side array, bound to the same buffer as
-``*_scale_ptr``) or, with ``INLINE_PAD``, as 4 little-endian bytes (then zeros up to ``INLINE_PAD``)
-right after the head's ``HEAD_DIM`` codes in the cache row. The static-scale loop is unchanged;
-a dynamic side is compiled out of it.
+Dynamic scales (``K_SCALE_MODE`` / ``V_SCALE_MODE`` TOKEN or TOKEN_HEAD) take the other path:
+each side's ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tile of whole rows is loaded (:func:`_load_rows`;
+both before the first amax with ``DYNAMIC_LOADS_FIRST``), then quantized and stored
+(:func:`_write_dynamic`), the amax a
+reduction over the head's dims (and, per token, over the heads). Each scale goes to
+``*_scale_out_ptr`` (a side array, bound to the same buffer as ``*_scale_ptr``) or, with
+``INLINE_PAD``, as 4 little-endian bytes (then zeros up to ``INLINE_PAD``) right after the head's
+``HEAD_DIM`` codes in the cache row. A dynamic side is compiled out of the static-scale loop.
 """
 import triton.language as tl
 
 from ._dual import jit
 from .fp8_math import (SCALE_HEAD, SCALE_NONE, SCALE_TOKEN, SCALE_TOKEN_HEAD, divide,
-                       dynamic_scale, fp32_to_fp8_code, load_as_fp32, load_scale, max_combine)
+                       divide_by_group_scale, dynamic_scale, fp32_to_fp8_code, load_as_fp32,
+                       load_raw, load_scale, max_combine, raw_to_fp32)
 
 
 @jit
-def _write_dynamic(x_ptr, x_in, stride_x_head, dst, row, stride_c_head, scale_dst, scale_row,
-                   stride_sc_head, in_range, keep, MODE: tl.constexpr, NUM_HEADS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_D: tl.constexpr, INLINE_PAD: tl.constexpr, E5M2: tl.constexpr,
-                   EXACT: tl.constexpr, POW2: tl.constexpr, IN_ALIGN: tl.constexpr,
+def _load_rows(x_ptr, x_in, stride_x_head, in_range, NUM_HEADS: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+               IN_ALIGN: tl.constexpr, EXACT: tl.constexpr):
+    """The ``[BLOCK_T, BLOCK_H, BLOCK_D]`` (token, head, dim) tile of whole rows of one side, as
+    loaded as stored (converted to fp32 by :func:`_write_dynamic`: fewer registers while both
+    sides' loads are in flight); ``x_in``: each token's row offset."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    hd_mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    x_col = tl.multiple_of(h * stride_x_head, IN_ALIGN)[:, None] + d[None, :]
+    return load_raw(x_ptr, x_in[:, None, None] + x_col[None, :, :],
+                    in_range[:, None, None] & hd_mask[None, :, :], EXACT)
+
+
+@jit
+def _write_dynamic(raw, dst, row, stride_c_head, scale_dst, scale_row, stride_sc_head, keep,
+                   MODE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INLINE_PAD: tl.constexpr,
+                   E5M2: tl.constexpr, EXACT: tl.constexpr, POW2: tl.constexpr,
                    CACHE_ALIGN: tl.constexpr):
-    """Quantize one side (K or V) of ``BLOCK_T`` tokens with dynamic scales and store codes and
-    scales. The tile is ``[BLOCK_T, BLOCK_H, BLOCK_D]`` (token, head, dim): one load, the amax a
-    reduction over the dims (and the heads, per token), one store -- no loop over heads, so every
-    load of the row is in flight at once. ``row``/``scale_row``: each token's cache row / scale
-    offset (int64)."""
+    """Quantize one side's tile ``raw`` (:func:`_load_rows`) with dynamic scales and store codes
+    and scales: the amax a reduction over the dims (and the heads, per token), one store -- no
+    loop over heads. ``row``/``scale_row``: each token's cache row / scale offset (int64)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     h_mask = h < NUM_HEADS
     hd_mask = h_mask[:, None] & (d < HEAD_DIM)[None, :]
-    x_col = tl.multiple_of(h * stride_x_head, IN_ALIGN)[:, None] + d[None, :]
-    x = load_as_fp32(x_ptr, x_in[:, None, None] + x_col[None, :, :],
-                     in_range[:, None, None] & hd_mask[None, :, :], EXACT)
-    amax = tl.reduce(tl.where(x != x, 0.0, tl.abs(x)), 2, max_combine)     # [T, H]
+    x = raw_to_fp32(raw, EXACT)
+    a = tl.abs(x)
+    if EXACT:
+        # The interpreter's maximum propagates NaN; the GPU's max.f32 drops it (max_combine).
+        a = tl.where(x != x, 0.0, a)
+    amax = tl.reduce(a, 2, max_combine)                                       # [T, H]
     if MODE == SCALE_TOKEN:
-        s = dynamic_scale(tl.reduce(amax, 1, max_combine), E5M2, POW2)      # [T]
-        q = fp32_to_fp8_code(divide(x, s[:, None, None], False, EXACT, False), E5M2, EXACT)
-        tl.store(scale_dst + scale_row, s, mask=keep)
+        amax = tl.reduce(amax, 1, max_combine)                                # [T]
+    s = dynamic_scale(tl.where(amax != amax, 0.0, amax), E5M2, POW2, EXACT)  # all-NaN: 0
+    s_x = s[:, None, None] if MODE == SCALE_TOKEN else s[:, :, None]
+    if POW2:
+        # s is a power of two (or inf): RN(1/s) is exact, so x * (1/s) is RN(x / s).
+        q = x * tl.math.div_rn(tl.full(s_x.shape, 1.0, tl.float32), s_x)
+    elif EXACT:
+        q = tl.math.div_rn(x, s_x)
     else:
-        s = dynamic_scale(amax, E5M2, POW2)                                   # [T, H]
-        q = fp32_to_fp8_code(divide(x, s[:, :, None], False, EXACT, False), E5M2, EXACT)
+        q = divide_by_group_scale(x, s_x)
+    q = fp32_to_fp8_code(q, E5M2, EXACT)
+    if MODE == SCALE_TOKEN:
+        tl.store(scale_dst + scale_row, s, mask=keep)
     c_head = tl.multiple_of(h * stride_c_head, CACHE_ALIGN)
     tl.store(dst + (row[:, None, None] + (c_head[:, None] + d[None, :])[None, :, :]),
              q.to(tl.uint8), mask=keep[:, None, None] & hd_mask[None, :, :])
@@ -85,7 +109,7 @@ def _write_kv_kernel(
     K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
     KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr,
     IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr, RECIPROCAL_DIV: tl.constexpr,
-    SHARED_OUT: tl.constexpr,
+    DYNAMIC_LOADS_FIRST: tl.constexpr, SHARED_OUT: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = tok < num_tokens
@@ -109,17 +133,27 @@ def _write_kv_kernel(
     value_in = tl.multiple_of(tok * stride_value_token, IN_ALIGN)
     K_STATIC: tl.constexpr = K_SCALE_MODE < SCALE_TOKEN
     V_STATIC: tl.constexpr = V_SCALE_MODE < SCALE_TOKEN
+    # DYNAMIC_LOADS_FIRST: both sides' loads are in flight before K's amax waits on them (the
+    # plan says when that pays: it holds both tiles in registers).
     if not K_STATIC:
-        _write_dynamic(key_ptr, key_in, stride_key_head, key_dst, key_row, stride_kc_head,
-                       key_scale_out_ptr, page * stride_ksc_page + off * stride_ksc_slot,
-                       stride_ksc_head, in_range, keep, K_SCALE_MODE, NUM_HEADS, HEAD_DIM, BLOCK_T,
-                       BLOCK_H, BLOCK_D, INLINE_PAD, E5M2, EXACT, SCALE_POW2, IN_ALIGN, CACHE_ALIGN)
+        xk = _load_rows(key_ptr, key_in, stride_key_head, in_range, NUM_HEADS, HEAD_DIM, BLOCK_H,
+                        BLOCK_D, IN_ALIGN, EXACT)
+    if DYNAMIC_LOADS_FIRST:
+        xv = _load_rows(value_ptr, value_in, stride_value_head, in_range, NUM_HEADS, HEAD_DIM,
+                        BLOCK_H, BLOCK_D, IN_ALIGN, EXACT)
+    if not K_STATIC:
+        _write_dynamic(xk, key_dst, key_row, stride_kc_head, key_scale_out_ptr,
+                       page * stride_ksc_page + off * stride_ksc_slot, stride_ksc_head, keep,
+                       K_SCALE_MODE, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, INLINE_PAD, E5M2,
+                       EXACT, SCALE_POW2, CACHE_ALIGN)
     if not V_STATIC:
-        _write_dynamic(value_ptr, value_in, stride_value_head, value_dst, value_row,
-                       stride_vc_head, value_scale_out_ptr,
-                       page * stride_vsc_page + off * stride_vsc_slot, stride_vsc_head, in_range,
-                       keep, V_SCALE_MODE, NUM_HEADS, HEAD_DIM, BLOCK_T, BLOCK_H, BLOCK_D,
-                       INLINE_PAD, E5M2, EXACT, SCALE_POW2, IN_ALIGN, CACHE_ALIGN)
+        if not DYNAMIC_LOADS_FIRST:
+            xv = _load_rows(value_ptr, value_in, stride_value_head, in_range, NUM_HEADS,
+                            HEAD_DIM, BLOCK_H, BLOCK_D, IN_ALIGN, EXACT)
+        _write_dynamic(xv, value_dst, value_row, stride_vc_head, value_scale_out_ptr,
+                       page * stride_vsc_page + off * stride_vsc_slot, stride_vsc_head, keep,
+                       V_SCALE_MODE, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, INLINE_PAD, E5M2,
+                       EXACT, SCALE_POW2, CACHE_ALIGN)
     ROW: tl.constexpr = NUM_HEADS * HEAD_DIM
     for start in tl.static_range(0, ROW if K_STATIC or V_STATIC else 0, BLOCK_HD):
         col = start + tl.arange(0, BLOCK_HD)
