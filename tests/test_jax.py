@@ -480,23 +480,30 @@ def test_gpu_donated_write_cost_does_not_grow_with_cache():
     value = random_values(rng, (tokens, heads, head_dim), "bfloat16")
     step = jax.jit(functools.partial(fp8kv_jax.write_kv, key_scale=0.37, value_scale=0.37),
                    donate_argnums=(2, 3))
-    per_call = {}
-    for nbytes in (4 << 20, 1 << 30):
+    sizes, state = (4 << 20, 1 << 30), {}
+    args = jnp.asarray(key), jnp.asarray(value)
+    for nbytes in sizes:
         num_pages = nbytes // (page_size * heads * head_dim)
         key_cache = jnp.zeros((num_pages, page_size, heads, head_dim), jnp.float8_e4m3fn)
         value_cache = jnp.zeros_like(key_cache)
         slots = rng.choice(num_pages * page_size, tokens, replace=False).astype(np.int32)
         pointers = key_cache.unsafe_buffer_pointer(), value_cache.unsafe_buffer_pointer()
-        args = jnp.asarray(key), jnp.asarray(value)
-        key_cache, value_cache = jax.block_until_ready(step(*args, key_cache, value_cache, slots))
-        best = float("inf")
-        for _ in range(5):
+        caches = jax.block_until_ready(step(*args, key_cache, value_cache, slots))
+        state[nbytes] = [caches, slots, pointers]
+    # Rounds alternate between the sizes and each keeps its best: a burst of other work on the
+    # GPU (other test workers) then skews neither size alone.
+    per_call = dict.fromkeys(sizes, float("inf"))
+    for _ in range(5):
+        for nbytes in sizes:
+            caches, slots, _ = state[nbytes]
             start = time.perf_counter()
             for _ in range(20):
-                key_cache, value_cache = step(*args, key_cache, value_cache, slots)
-            jax.block_until_ready((key_cache, value_cache))
-            best = min(best, (time.perf_counter() - start) / 20)
-        per_call[nbytes] = best
+                caches = step(*args, *caches, slots)
+            jax.block_until_ready(caches)
+            per_call[nbytes] = min(per_call[nbytes], (time.perf_counter() - start) / 20)
+            state[nbytes][0] = caches
+    for nbytes in sizes:
+        (key_cache, value_cache), slots, pointers = state.pop(nbytes)
         assert (key_cache.unsafe_buffer_pointer(), value_cache.unsafe_buffer_pointer()) == pointers
         page, offset = slots // page_size, slots % page_size
         for cache, x in ((key_cache, key), (value_cache, value)):

@@ -106,9 +106,11 @@ def divide_by_group_scale(x, s):
     every fp32 input within 27 binades below the amax.
     """
     y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-    neg_y = -y
+    # Negations as products: Triton lowers -v as 0 - v, which turns a -0 into +0 (for s = inf,
+    # y = 0 and the corrections need -y = -0 to keep a negative x's -0).
+    neg_y = y * -1.0
+    neg_x = x * -1.0
     s = tl.where(s == _INF, 0.0, s)
-    neg_x = x * -1.0    # not -x: Triton lowers that as 0 - x, which turns -0 into +0
     q0 = x * y
     q1 = tl.math.fma(tl.math.fma(q0, s, neg_x), neg_y, q0)
     return tl.math.fma(tl.math.fma(q1, s, neg_x), neg_y, q1)
