@@ -356,6 +356,27 @@ def check_dequantize(key_cache, value_cache, block_table, key_scale, value_scale
                        ks_mode, ks_value, vs_mode, vs_value, ksc, vsc, pad)
 
 
+def frontend_args(info, array_type: type, arrays: dict, key_scale, value_scale, key_scale_cache,
+                  value_scale_cache) -> dict:
+    """:func:`check_write` / :func:`check_dequantize` arguments by name, from a frontend's own.
+
+    ``info(x, name)`` is the ArrayInfo of each of ``arrays`` (or raises, naming it); with
+    ``value_cache`` None, ``key_cache`` is a combined ``kv_cache`` (converted last). A scale or
+    scale cache is converted where it is an ``array_type``; anything else (None, a number,
+    ``"inline"``, a wrong type) is passed as it is, for the checks to accept or reject.
+    """
+    combined = arrays["value_cache"] is None
+    args = {name: None if combined and name in ("key_cache", "value_cache") else info(x, name)
+            for name, x in arrays.items()}
+    if combined:
+        args["kv_cache"] = info(arrays["key_cache"], "kv_cache")
+    scales = dict(key_scale=key_scale, value_scale=value_scale, key_scale_cache=key_scale_cache,
+                  value_scale_cache=value_scale_cache)
+    args.update((name, info(x, name) if isinstance(x, array_type) else x)
+                for name, x in scales.items())
+    return args
+
+
 def dequantized_shape(args: DequantArgs, combined: bool) -> tuple[int, ...]:
     """Shape of ``key_pages`` (or of the combined output)."""
     return pages_shape(args.key_cache, args.layout, args.cache_rank,

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from fp8kv.validate import check_slots_in_range, check_table_in_range, dequantized_shape
+from fp8kv.validate import (check_dequantize, check_slots_in_range, check_table_in_range,
+                            check_write, dequantized_shape, frontend_args)
 
 from . import _args, _jnp, _triton
 from ._args import as_array, as_caches, as_scales, device_array
@@ -42,8 +43,11 @@ def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format
     key, value, slots = as_array(key, "key"), as_array(value, "value"), as_array(slots, "slots")
     key_scale, value_scale, key_scale_cache, value_scale_cache = as_scales(
         key_scale, value_scale, key_scale_cache, value_scale_cache)
-    args = _args.write_args(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
-                            key_scale_cache, value_scale_cache, scale_rounding)
+    key_cache, value_cache = caches if len(caches) == 2 else (caches[0], None)  # None: combined
+    arrays = dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slots=slots)
+    args = check_write(**frontend_args(_args.info, jax.Array, arrays, key_scale, value_scale,
+                                       key_scale_cache, value_scale_cache),
+                       layout=layout, fp8_format=fp8_format, scale_rounding=scale_rounding)
     if check_bounds:
         check_slots_in_range(_args.host_values(slots, "slots"), args.key_cache.num_slots)
     sides = (device_array(key_scale_cache), device_array(value_scale_cache))
@@ -51,8 +55,8 @@ def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format
     if args.num_tokens == 0:  # nothing to write: no launch
         return caches + tail
     impl = _triton if _args.use_triton((key, value, *caches, slots, *sides)) else _jnp
-    out = impl.write_kv(key, value, caches[0], None if args.combined else caches[1], slots,
-                        device_array(key_scale), device_array(value_scale), *sides, args=args)
+    out = impl.write_kv(key, value, key_cache, value_cache, slots, device_array(key_scale),
+                        device_array(value_scale), *sides, args=args)
     # out: (key_cache, value_cache) or (kv_cache,), then the two side arrays (or None)
     return tuple(out[:-2]) + (tuple(out[-2:]) if tail else ())
 
@@ -183,19 +187,22 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
     block_table = as_array(block_table, "block_table")
     key_scale, value_scale, key_scale_cache, value_scale_cache = as_scales(
         key_scale, value_scale, key_scale_cache, value_scale_cache)
-    args = _args.dequantize_args(caches, block_table, key_scale, value_scale,
-                                 _args.dtype_name(dtype), layout, fp8_format, null_page,
-                                 key_scale_cache, value_scale_cache, head_dim)
+    key_cache, value_cache = caches if len(caches) == 2 else (caches[0], None)  # None: combined
+    arrays = dict(key_cache=key_cache, value_cache=value_cache, block_table=block_table)
+    args = check_dequantize(**frontend_args(_args.info, jax.Array, arrays, key_scale, value_scale,
+                                            key_scale_cache, value_scale_cache),
+                            dtype=_args.dtype_name(dtype), layout=layout, fp8_format=fp8_format,
+                            null_page=null_page, head_dim=head_dim)
     if check_bounds:
         check_table_in_range(_args.host_values(block_table, "block_table"),
                              args.key_cache.num_pages, null_page)
-    combined = len(caches) == 1
+    combined = value_cache is None
     if args.batch * args.pages_per_seq == 0:  # no pages to read: no launch
         pages = (jnp.zeros(dequantized_shape(args, combined), args.out_dtype),) * len(caches)
         return (*pages, jnp.zeros((args.batch, args.pages_per_seq), jnp.int32))
     sides = (device_array(key_scale_cache), device_array(value_scale_cache))
     impl = _triton if _args.use_triton((*caches, block_table, *sides)) else _jnp
-    return impl.dequantize_pages(caches[0], None if combined else caches[1], block_table,
+    return impl.dequantize_pages(key_cache, value_cache, block_table,
                                  device_array(key_scale), device_array(value_scale), *sides,
                                  args=args, combined=combined)
 

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8kv.arrays import ArrayInfo
-from fp8kv.validate import check_dequantize, check_write
 
 # JAX arrays have no strides and no per-array device the core could compare (jit places them):
 # every array is contiguous and lives on this one "device".
@@ -51,14 +50,9 @@ def host_values(x, name: str) -> np.ndarray:
     return np.asarray(x)
 
 
-def info(x) -> ArrayInfo:
+def info(x: jax.Array, name: str) -> ArrayInfo:
+    """What the core validates of an array (:func:`as_array` made it one; ``name`` is unused)."""
     return ArrayInfo.contiguous(x.shape, jnp.dtype(x.dtype).name, DEVICE)
-
-
-def scale_arg(scale):
-    """A scale or scale cache as the core sees it: None, a number, ``"inline"`` (or any other
-    object, which the core rejects), or an ArrayInfo."""
-    return info(scale) if isinstance(scale, jax.Array) else scale
 
 
 def dtype_name(dtype) -> str:
@@ -67,32 +61,6 @@ def dtype_name(dtype) -> str:
     except TypeError:
         raise TypeError(f"dtype: expected jnp.bfloat16, jnp.float16 or jnp.float32, got "
                         f"{dtype!r}") from None
-
-
-def write_args(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
-               key_scale_cache=None, value_scale_cache=None, scale_rounding="exact"):
-    """``check_write`` on ``caches`` = ``(key_cache, value_cache)`` or ``(kv_cache,)``."""
-    combined = len(caches) == 1
-    return check_write(
-        info(key), info(value), None if combined else info(caches[0]),
-        None if combined else info(caches[1]), info(slots), scale_arg(key_scale),
-        scale_arg(value_scale), layout=layout, fp8_format=fp8_format,
-        kv_cache=info(caches[0]) if combined else None,
-        key_scale_cache=scale_arg(key_scale_cache),
-        value_scale_cache=scale_arg(value_scale_cache), scale_rounding=scale_rounding)
-
-
-def dequantize_args(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
-                    null_page, key_scale_cache=None, value_scale_cache=None, head_dim=None):
-    """``check_dequantize`` on ``caches`` = ``(key_cache, value_cache)`` or ``(kv_cache,)``."""
-    combined = len(caches) == 1
-    return check_dequantize(
-        None if combined else info(caches[0]), None if combined else info(caches[1]),
-        info(block_table), scale_arg(key_scale), scale_arg(value_scale), dtype=dtype,
-        layout=layout, fp8_format=fp8_format, null_page=null_page,
-        kv_cache=info(caches[0]) if combined else None,
-        key_scale_cache=scale_arg(key_scale_cache),
-        value_scale_cache=scale_arg(value_scale_cache), head_dim=head_dim)
 
 
 def _is_cuda(device) -> bool:

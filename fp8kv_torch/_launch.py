@@ -18,7 +18,7 @@ from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import BoundCall, bind, signature
 from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
 from fp8kv.validate import (check_dequantize, check_out, check_slots_in_range,
-                            check_table_in_range, check_write, dequantized_shape)
+                            check_table_in_range, check_write, dequantized_shape, frontend_args)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -31,17 +31,6 @@ def info(t: torch.Tensor, name: str) -> ArrayInfo:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     return ArrayInfo(tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype), str(t.device))
-
-
-def scale_arg(scale, name: str):
-    """A scale as the core sees it: None, a number, or an ArrayInfo (the core checks which)."""
-    return info(scale, name) if isinstance(scale, torch.Tensor) else scale
-
-
-def scale_cache_arg(scale_cache, name: str):
-    """A scale cache as the core sees it: None, ``"inline"`` (or any other object, which the
-    core rejects), or an ArrayInfo."""
-    return info(scale_cache, name) if isinstance(scale_cache, torch.Tensor) else scale_cache
 
 
 def host_values(t: torch.Tensor, name: str):
@@ -160,7 +149,6 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
     ``exact`` forces the exact (True) or hardware (False) conversions; ``launch=False`` only
     validates (the fake implementation of the custom op).
     """
-    combined = value_cache is None
     operands = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale,
                                key_scale_cache, value_scale_cache)
     ready_key = None
@@ -171,15 +159,10 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
                                        (layout, fp8_format, scale_rounding))
         if ready is not None:
             return ready.launch(operands)
-    args = check_write(
-        info(key, "key"), info(value, "value"), None if combined else info(key_cache, "key_cache"),
-        None if combined else info(value_cache, "value_cache"), info(slots, "slots"),
-        scale_arg(key_scale, "key_scale"), scale_arg(value_scale, "value_scale"),
-        layout=layout, fp8_format=fp8_format,
-        kv_cache=info(key_cache, "kv_cache") if combined else None,
-        key_scale_cache=scale_cache_arg(key_scale_cache, "key_scale_cache"),
-        value_scale_cache=scale_cache_arg(value_scale_cache, "value_scale_cache"),
-        scale_rounding=scale_rounding)
+    arrays = dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slots=slots)
+    args = check_write(**frontend_args(info, torch.Tensor, arrays, key_scale, value_scale,
+                                       key_scale_cache, value_scale_cache),
+                       layout=layout, fp8_format=fp8_format, scale_rounding=scale_rounding)
     if check_bounds:
         check_slots_in_range(host_values(slots, "slots"), args.key_cache.num_slots)
     backend = _backend(key, "key")
@@ -240,7 +223,6 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     (``value_out`` None). ``outs``: preallocated ``(key_out, value_out, table_out)``, or None to
     allocate them.
     """
-    combined = value_cache is None
     ready_key = None
     if launch and exact is None and not check_bounds:
         tensors = (key_cache, value_cache, block_table, key_scale, value_scale, key_scale_cache,
@@ -253,15 +235,12 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
             ready.launch(_dequantize_operands(key_cache, value_cache, block_table, key_scale,
                                               value_scale, outs, key_scale_cache, value_scale_cache))
             return outs
-    args = check_dequantize(
-        None if combined else info(key_cache, "key_cache"),
-        None if combined else info(value_cache, "value_cache"), info(block_table, "block_table"),
-        scale_arg(key_scale, "key_scale"), scale_arg(value_scale, "value_scale"),
-        dtype=dtype_name(dtype), layout=layout, fp8_format=fp8_format, null_page=null_page,
-        kv_cache=info(key_cache, "kv_cache") if combined else None,
-        key_scale_cache=scale_cache_arg(key_scale_cache, "key_scale_cache"),
-        value_scale_cache=scale_cache_arg(value_scale_cache, "value_scale_cache"),
-        head_dim=head_dim)
+    combined = value_cache is None
+    arrays = dict(key_cache=key_cache, value_cache=value_cache, block_table=block_table)
+    args = check_dequantize(**frontend_args(info, torch.Tensor, arrays, key_scale, value_scale,
+                                            key_scale_cache, value_scale_cache),
+                            dtype=dtype_name(dtype), layout=layout, fp8_format=fp8_format,
+                            null_page=null_page, head_dim=head_dim)
     if check_bounds:
         check_table_in_range(host_values(block_table, "block_table"), args.key_cache.num_pages,
                              null_page)
