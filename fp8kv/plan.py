@@ -86,9 +86,21 @@ def _strides(prefix: str, pages) -> dict:
             f"stride_{prefix}_head": head}
 
 
-def _exact(backend: str, exact: bool | None) -> bool:
-    """The interpreter must take the exact conversions (its own fp8/bf16 casts are wrong)."""
-    return backend == INTERPRET if exact is None else exact
+def _shared(args: WriteArgs | DequantArgs, backend: str, exact: bool | None) -> tuple[dict, dict]:
+    """``(scalars, constexprs)`` that both kernels take alike: the caches, scales and format.
+
+    The interpreter must take the exact conversions (its own fp8/bf16 casts are wrong)."""
+    kc, vc = args.key_cache, args.value_cache
+    scalars = dict(
+        **_strides("kc", kc), **_strides("vc", vc), value_cache_offset=vc.offset,
+        key_scale_value=float(args.key_scale_value), value_scale_value=float(args.value_scale_value),
+        **_strides("ksc", args.key_scale_cache), **_strides("vsc", args.value_scale_cache))
+    constexprs = dict(
+        NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
+        INLINE_PAD=args.inline_pad, K_SCALE_MODE=int(args.key_scale_mode),
+        V_SCALE_MODE=int(args.value_scale_mode), E5M2=args.fmt.name == "e5m2",
+        EXACT=backend == INTERPRET if exact is None else exact)
+    return scalars, constexprs
 
 
 @functools.lru_cache(maxsize=4096)
@@ -98,31 +110,22 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
     kc, vc = args.key_cache, args.value_cache
     row = kc.num_heads * kc.head_dim
     block_hd = min(triton.next_power_of_2(max(row, 1)), sizes["max_block_hd"])
-    block_t = max(1, sizes["tile"] // block_hd)
+    block_h, block_d = triton.next_power_of_2(kc.num_heads), triton.next_power_of_2(kc.head_dim)
+    # A dynamic side takes whole rows as [BLOCK_T, BLOCK_H, BLOCK_D] tiles.
+    dynamic = args.key_scale_mode.dynamic or args.value_scale_mode.dynamic
+    block_t = max(1, sizes["tile"] // (block_h * block_d if dynamic else block_hd))
     if backend == INTERPRET:  # no compile cost here: fit the tile to the batch
         block_t = min(block_t, triton.next_power_of_2(max(args.num_tokens, 1)))
-    block_h, block_d = triton.next_power_of_2(kc.num_heads), triton.next_power_of_2(kc.head_dim)
-    if args.key_scale_mode.dynamic or args.value_scale_mode.dynamic:
-        # A dynamic side takes whole rows as [BLOCK_T, BLOCK_H, BLOCK_D] tiles.
-        block_t = max(1, sizes["tile"] // (block_h * block_d))
-        if backend == INTERPRET:
-            block_t = min(block_t, triton.next_power_of_2(max(args.num_tokens, 1)))
     small = args.num_tokens * row <= sizes["small_batch_elems"]
     key, value = args.key, args.value
-    scalars = dict(
+    scalars, constexprs = _shared(args, backend, exact)
+    scalars.update(
         num_tokens=args.num_tokens, num_slots=kc.num_slots,
         stride_key_token=key.strides[0], stride_key_head=key.strides[1],
-        stride_value_token=value.strides[0], stride_value_head=value.strides[1],
-        **_strides("kc", kc), **_strides("vc", vc), value_cache_offset=vc.offset,
-        key_scale_value=float(args.key_scale_value), value_scale_value=float(args.value_scale_value),
-        **_strides("ksc", args.key_scale_cache), **_strides("vsc", args.value_scale_cache))
-    constexprs = dict(
-        NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
-        BLOCK_T=block_t, BLOCK_HD=block_hd,
-        BLOCK_H=block_h, BLOCK_D=block_d, INLINE_PAD=args.inline_pad,
+        stride_value_token=value.strides[0], stride_value_head=value.strides[1])
+    constexprs.update(
+        BLOCK_T=block_t, BLOCK_HD=block_hd, BLOCK_H=block_h, BLOCK_D=block_d,
         SCALE_POW2=args.scale_pow2,
-        K_SCALE_MODE=int(args.key_scale_mode), V_SCALE_MODE=int(args.value_scale_mode),
-        E5M2=args.fmt.name == "e5m2", EXACT=_exact(backend, exact),
         KEY_PACKED=key.strides[1] == kc.head_dim or kc.num_heads == 1,
         VALUE_PACKED=value.strides[1] == kc.head_dim or kc.num_heads == 1,
         CACHE_PACKED=kc.packed_rows and vc.packed_rows,
@@ -161,21 +164,16 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
     else:
         chunks = triton.cdiv(page_elems, block)
     table = args.block_table
-    scalars = dict(
+    scalars, constexprs = _shared(args, backend, exact)
+    scalars.update(
         pages_per_seq=max(args.pages_per_seq, 1), stride_table_seq=table.strides[0],
         stride_table_page=table.strides[1], num_pages=kc.num_pages,
         null_page=-1 if args.null_page is None else args.null_page,
-        **_strides("kc", kc), **_strides("vc", vc), value_cache_offset=vc.offset,
-        **_strides("ko", ko), **_strides("vo", vo), value_out_offset=vo.offset,
-        key_scale_value=float(args.key_scale_value), value_scale_value=float(args.value_scale_value),
-        **_strides("ksc", args.key_scale_cache), **_strides("vsc", args.value_scale_cache))
-    constexprs = dict(
-        NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
+        **_strides("ko", ko), **_strides("vo", vo), value_out_offset=vo.offset)
+    constexprs.update(
         HND=args.layout == "HND" and args.cache_rank == 4, BLOCK=block, BLOCK_D=block_d,
-        ROWWISE=rowwise, INLINE_PAD=args.inline_pad,
-        K_SCALE_MODE=int(args.key_scale_mode), V_SCALE_MODE=int(args.value_scale_mode),
-        E5M2=args.fmt.name == "e5m2", OUT_KIND=int(OUT_KIND_OF_DTYPE[args.out_dtype]),
-        EXACT=_exact(backend, exact), HAS_NULL_PAGE=args.null_page is not None,
+        ROWWISE=rowwise, OUT_KIND=int(OUT_KIND_OF_DTYPE[args.out_dtype]),
+        HAS_NULL_PAGE=args.null_page is not None,
         IN_PACKED=kc.packed_pages(args.layout) and vc.packed_pages(args.layout),
         OUT_PACKED=ko.packed_pages(args.layout) and vo.packed_pages(args.layout),
         IN_ALIGN=pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
