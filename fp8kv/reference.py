@@ -10,8 +10,8 @@ import numpy as np
 
 from .formats import (CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, FORMATS, Fp8Format,
                       resolve_format)
-from .validate import (INLINE, SCALE_ROUNDINGS, check_inline_pad, check_no_static_scale,
-                       check_scale_cache_arg)
+from .validate import (INLINE, SCALE_ROUNDINGS, check_choice, check_inline_pad,
+                       check_no_static_scale, check_scale_cache_arg)
 
 _NP_DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -69,11 +69,6 @@ def _as_format(fmt) -> Fp8Format:
     raise ValueError(f"fmt: expected 'e4m3', 'e5m2' or an Fp8Format, got {fmt!r}")
 
 
-def _check_choice(value, name: str, choices) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name}: expected {' or '.join(repr(c) for c in choices)}, got {value!r}")
-
-
 def _pow2_ceil(s: np.ndarray) -> np.ndarray:
     """The smallest power of two ``>= s`` for fp32 ``s > 0`` (exact; ``inf`` stays ``inf``)."""
     s = np.asarray(s, dtype=np.float32)
@@ -113,8 +108,8 @@ def dynamic_scales(x, fmt, granularity, rounding) -> np.ndarray:
     [2.0]
     """
     fmt = _as_format(fmt)
-    _check_choice(granularity, "granularity", GRANULARITIES)
-    _check_choice(rounding, "rounding", SCALE_ROUNDINGS)
+    check_choice(granularity, "granularity", GRANULARITIES)
+    check_choice(rounding, "rounding", SCALE_ROUNDINGS)
     x = np.asarray(x)
     if x.ndim != 3:
         raise ValueError(f"x: expected rank 3 [num_tokens, num_kv_heads, head_dim], got shape "
@@ -200,7 +195,7 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
     value_scale_cache)`` when a side array is given for K or V (the other entry is None when that
     side has no side array: static scales or ``"inline"``).
     """
-    _check_choice(scale_rounding, "scale_rounding", SCALE_ROUNDINGS)
+    check_choice(scale_rounding, "scale_rounding", SCALE_ROUNDINGS)
     slots = np.asarray(slots).astype(np.int64)
     out, scale_out = [], []
     for side, x, cache, scale, scale_cache in (

@@ -23,10 +23,11 @@ FP32_MIN_NORMAL = 2.0 ** -126
 FP32_MAX = float.fromhex("0x1.fffffep127")
 
 
-def check_layout(layout) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected 'NHD' or 'HND', got {layout!r}")
-    return layout
+def check_choice(value, name: str, choices) -> str:
+    """``value``, one of the strings ``choices`` (a ValueError naming them otherwise)."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}: expected {' or '.join(repr(c) for c in choices)}, got {value!r}")
+    return value
 
 
 def check_format(cache: ArrayInfo, fp8_format, name: str) -> Fp8Format:
@@ -152,13 +153,6 @@ def check_scale_cache_arg(scale_cache, name: str, array_type: type = ArrayInfo):
     return scale_cache
 
 
-def check_scale_rounding(scale_rounding) -> bool:
-    """``True`` for ``"pow2"``, ``False`` for ``"exact"``."""
-    if not isinstance(scale_rounding, str) or scale_rounding not in SCALE_ROUNDINGS:
-        raise ValueError(f"scale_rounding: expected 'exact' or 'pow2', got {scale_rounding!r}")
-    return scale_rounding == "pow2"
-
-
 def check_no_static_scale(scale, scale_cache, scale_name: str) -> None:
     """A side with dynamic scales (``scale_cache`` given) takes no static scale."""
     if scale is not None and scale_cache is not None:
@@ -259,7 +253,7 @@ def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scal
                 fp8_format, kv_cache=None, key_scale_cache=None, value_scale_cache=None,
                 scale_rounding="exact") -> WriteArgs:
     """Validate ``write_kv`` (or, with ``kv_cache``, ``write_kv_combined``) arguments."""
-    layout = check_layout(layout)
+    layout = check_choice(layout, "layout", LAYOUTS)
     device = check_same_device({"key": key, "value": value, **_named_caches(key_cache, value_cache,
                                                                              kv_cache), "slots": slots})
     for name, x in (("key", key), ("value", value)):
@@ -278,7 +272,7 @@ def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scal
     num_tokens, num_heads, head_dim = key.shape
     key_scale_cache = check_scale_cache_arg(key_scale_cache, "key_scale_cache")
     value_scale_cache = check_scale_cache_arg(value_scale_cache, "value_scale_cache")
-    pow2 = check_scale_rounding(scale_rounding)
+    pow2 = check_choice(scale_rounding, "scale_rounding", SCALE_ROUNDINGS) == "pow2"
     kc, vc, pad = check_inline(key_scale_cache, value_scale_cache, kc, vc, head_dim, cache_name)
     if (kc.num_heads, kc.head_dim) != (num_heads, head_dim):
         other = "HND" if layout == "NHD" else "NHD"
@@ -323,7 +317,7 @@ class DequantArgs:
 def check_dequantize(key_cache, value_cache, block_table, key_scale, value_scale, *, dtype, layout,
                      fp8_format, null_page, kv_cache=None, key_scale_cache=None,
                      value_scale_cache=None, head_dim=None) -> DequantArgs:
-    layout = check_layout(layout)
+    layout = check_choice(layout, "layout", LAYOUTS)
     device = check_same_device({**_named_caches(key_cache, value_cache, kv_cache),
                                 "block_table": block_table})
     kc, vc, fmt, rank = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format)
