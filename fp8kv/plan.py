@@ -47,7 +47,7 @@ class LaunchPlan:
     """What to launch: grid, warps, and the kernel's scalars and constexprs by parameter name.
 
     Scalars are Python ints (Triton types them i32 / i64 by value) and floats, which are fp32
-    parameters (:meth:`fp32_scalars` says which).
+    parameters.
     """
 
     grid: tuple[int, ...]
@@ -62,10 +62,6 @@ class LaunchPlan:
     @property
     def empty(self) -> bool:
         return any(g == 0 for g in self.grid)
-
-    @property
-    def fp32_scalars(self) -> frozenset:
-        return frozenset(name for name, v in self.scalars.items() if isinstance(v, float))
 
 
 def pow2_divisor(*values: int, cap: int = 16) -> int:
