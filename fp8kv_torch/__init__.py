@@ -12,7 +12,7 @@ from typing import Sequence, Union
 import torch
 
 from . import _launch
-from ._ops import dequantize_pages_op, split_scale, split_scale_cache, write_kv_op
+from ._ops import dequantize_pages_op, split_scales, write_kv_op
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
 
@@ -26,12 +26,10 @@ def _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, la
     if torch.compiler.is_compiling():
         if check_bounds:
             _launch.host_values(slots, "slots")   # raises: no host reads in a compiled graph
-        ks, ksv = split_scale(key_scale)
-        vs, vsv = split_scale(value_scale)
-        ksc, ksi = split_scale_cache(key_scale_cache)
-        vsc, vsi = split_scale_cache(value_scale_cache)
-        write_kv_op(key, value, key_cache, value_cache, slots, ks, vs, ksv, vsv, layout, fp8_format,
-                    ksc, vsc, ksi, vsi, scale_rounding)
+        scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
+                                            value_scale_cache)
+        write_kv_op(key, value, key_cache, value_cache, slots, *scales, layout, fp8_format,
+                    *scale_caches, scale_rounding)
     else:
         _launch.write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout,
                          fp8_format, key_scale_cache=key_scale_cache,
@@ -168,12 +166,10 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
                                             value_scale, dtype, layout, fp8_format, null_page,
                                             launch=False, key_scale_cache=key_scale_cache,
                                             value_scale_cache=value_scale_cache, head_dim=head_dim)
-        ks, ksv = split_scale(key_scale)
-        vs, vsv = split_scale(value_scale)
-        ksc, ksi = split_scale_cache(key_scale_cache)
-        vsc, vsi = split_scale_cache(value_scale_cache)
-        dequantize_pages_op(key_cache, value_cache, block_table, ks, vs, ksv, vsv, layout, fp8_format,
-                            null_page, *outs, ksc, vsc, ksi, vsi, head_dim)
+        scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
+                                            value_scale_cache)
+        dequantize_pages_op(key_cache, value_cache, block_table, *scales, layout, fp8_format,
+                            null_page, *outs, *scale_caches, head_dim)
     else:
         outs = _launch.dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale,
                                         dtype, layout, fp8_format, null_page, outs,

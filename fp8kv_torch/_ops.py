@@ -10,23 +10,23 @@ from . import _launch
 Tensor = torch.Tensor
 
 
-def split_scale(scale):
-    """Custom ops cannot take ``float | Tensor``: split a scale into (tensor, float)."""
-    return (scale, None) if isinstance(scale, Tensor) else (None, scale)
+def split_scales(key_scale, value_scale, key_scale_cache, value_scale_cache) -> tuple:
+    """Custom ops cannot take ``float | Tensor`` nor ``str | Tensor``: the scales as ``(key
+    tensor, value tensor, key float, value float)`` and the scale caches as ``(key tensor, value
+    tensor, key inline flag, value inline flag)``, None where a side has no such argument.
+
+    A scale cache other than ``"inline"`` (a wrong type or string) is passed on as is by the eager
+    path, which rejects it; here it is left to the op's own validation, which sees the same
+    argument."""
+    (ks, ksv), (vs, vsv) = ((s, None) if isinstance(s, Tensor) else (None, s)
+                            for s in (key_scale, value_scale))
+    (ksc, ksi), (vsc, vsi) = ((None, True) if isinstance(c, str) and c == "inline" else (c, False)
+                              for c in (key_scale_cache, value_scale_cache))
+    return (ks, vs, ksv, vsv), (ksc, vsc, ksi, vsi)
 
 
 def join_scale(tensor, value):
     return tensor if tensor is not None else value
-
-
-def split_scale_cache(scale_cache):
-    """A scale cache as (tensor or None, inline flag): custom ops cannot take ``str | Tensor``.
-
-    Anything else (a wrong type or string) is passed on as is by the eager path, which rejects
-    it; here it is left to the op's own validation, which sees the same argument."""
-    if isinstance(scale_cache, str) and scale_cache == "inline":
-        return None, True
-    return scale_cache, False
 
 
 def join_scale_cache(tensor, inline):
