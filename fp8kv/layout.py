@@ -110,14 +110,10 @@ class ScaleCache:
 
 
 def scale_cache_shapes(cache: PagedCache, layout: str, rank: int) -> dict:
-    """The side scale array shapes a ``rank`` 3/4 cache accepts: ``{"token_head": ..., "token": ...}``."""
-    if rank == 3:
-        return {"token_head": (cache.num_pages, cache.num_heads), "token": (cache.num_pages,)}
-    if layout == "NHD":
-        per_head = (cache.num_pages, cache.page_size, cache.num_heads)
-    else:
-        per_head = (cache.num_pages, cache.num_heads, cache.page_size)
-    return {"token_head": per_head, "token": (cache.num_pages, cache.page_size)}
+    """The side scale array shapes a ``rank`` 3/4 cache accepts, ``{"token_head": ..., "token":
+    ...}``: the cache's shape without ``head_dim``, or without heads and ``head_dim``."""
+    token = (cache.num_pages,) if rank == 3 else (cache.num_pages, cache.page_size)
+    return {"token_head": pages_shape(cache, layout, rank, cache.num_pages)[:-1], "token": token}
 
 
 def scale_cache(info: ArrayInfo, layout: str, rank: int) -> ScaleCache:
