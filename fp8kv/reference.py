@@ -157,11 +157,8 @@ def _side_scales_view(scale_cache: np.ndarray, cache_shape, layout: str, name: s
     if scale_cache.dtype != np.float32:
         raise TypeError(f"{name}: expected dtype float32, got {scale_cache.dtype}")
     shapes = scale_cache_shapes(cache_shape, layout)
-    if scale_cache.shape == shapes["token_head"]:
-        if len(cache_shape) == 3:
-            return scale_cache[:, None], "token_head"
-        view = scale_cache if layout == "NHD" else scale_cache.transpose(0, 2, 1)
-        return view, "token_head"
+    if scale_cache.shape == shapes["token_head"]:   # the cache's shape without head_dim
+        return _pages_view(scale_cache[..., None], layout)[..., 0], "token_head"
     if scale_cache.shape == shapes["token"]:
         view = scale_cache[:, None, None] if len(cache_shape) == 3 else scale_cache[:, :, None]
         return view, "token"
