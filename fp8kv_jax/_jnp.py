@@ -176,22 +176,21 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     index = jnp.where(keep, entries, num_pages)
     keep = keep.reshape((-1,) + (1,) * (args.cache_rank - 1))
     trailing = 2 if args.layout == "HND" and args.cache_rank == 4 else 1  # dims after the heads
-    ks = _scale(key_scale, args.key_scale_mode, args.key_scale_value, trailing)
-    vs = _scale(value_scale, args.value_scale_mode, args.value_scale_value, trailing)
     if combined:
         pages = _gather(key_cache, index, num_pages)
-        k_codes, v_codes = pages[:, 0], pages[:, 1]
+        codes = pages[:, 0], pages[:, 1]
     else:
-        k_codes = _gather(key_cache, index, num_pages)
-        v_codes = _gather(value_cache, index, num_pages)
-    if args.key_scale_mode >= ScaleMode.TOKEN:
-        k_codes, ks = _stored_scales(key_scale_cache, k_codes, index, num_pages,
-                                     args.key_scale_mode, args)
-    if args.value_scale_mode >= ScaleMode.TOKEN:
-        v_codes, vs = _stored_scales(value_scale_cache, v_codes, index, num_pages,
-                                     args.value_scale_mode, args)
-    k = _dequantize(k_codes, ks, args.fmt, args.out_dtype, keep)
-    v = _dequantize(v_codes, vs, args.fmt, args.out_dtype, keep)
+        codes = _gather(key_cache, index, num_pages), _gather(value_cache, index, num_pages)
+    sides = []
+    for c, scale, scale_cache, mode, value in (
+            (codes[0], key_scale, key_scale_cache, args.key_scale_mode, args.key_scale_value),
+            (codes[1], value_scale, value_scale_cache, args.value_scale_mode,
+             args.value_scale_value)):
+        s = _scale(scale, mode, value, trailing)
+        if mode >= ScaleMode.TOKEN:
+            c, s = _stored_scales(scale_cache, c, index, num_pages, mode, args)
+        sides.append(_dequantize(c, s, args.fmt, args.out_dtype, keep))
+    k, v = sides
     new_table = jnp.arange(entries.size, dtype=jnp.int32).reshape(block_table.shape)
     if combined:
         return jnp.stack([k, v], axis=1), new_table
