@@ -119,9 +119,8 @@ def check_scale(scale, name: str, num_heads: int, device: str):
         if scale.device != device:
             raise ValueError(f"{name}: expected device {device} (that of the cache), got {scale.device}")
         check_contiguous(scale, name)
-        if scale.shape == (num_heads,) and num_heads > 1:
-            return ScaleMode.HEAD, 1.0
-        return ScaleMode.TENSOR, 1.0
+        per_head = scale.shape == (num_heads,) and num_heads > 1
+        return (ScaleMode.HEAD if per_head else ScaleMode.TENSOR), 1.0
     if isinstance(scale, bool) or not isinstance(scale, Real):
         raise TypeError(f"{name}: expected None, a float or a float32 array, got {type(scale).__name__}")
     value = float(scale)
@@ -352,13 +351,11 @@ def check_dequantize(key_cache, value_cache, block_table, key_scale, value_scale
 
 def frontend_args(info, array_type: type, arrays: dict, key_scale, value_scale, key_scale_cache,
                   value_scale_cache) -> dict:
-    """:func:`check_write` / :func:`check_dequantize` arguments by name, from a frontend's own.
-
-    ``info(x, name)`` is the ArrayInfo of each of ``arrays`` (or raises, naming it); with
-    ``value_cache`` None, ``key_cache`` is a combined ``kv_cache`` (converted last). A scale or
-    scale cache is converted where it is an ``array_type``; anything else (None, a number,
-    ``"inline"``, a wrong type) is passed as it is, for the checks to accept or reject.
-    """
+    """:func:`check_write` / :func:`check_dequantize` arguments by name, from a frontend's own:
+    ``info(x, name)`` of each of ``arrays`` (it raises for a wrong type, naming it; ``value_cache``
+    None: ``key_cache`` is the combined ``kv_cache``, converted last), and of each scale and scale
+    cache that is an ``array_type``; the others (None, a number, ``"inline"``, a wrong type) as
+    they are, for the checks to judge."""
     combined = arrays["value_cache"] is None
     args = {name: None if combined and name in ("key_cache", "value_cache") else info(x, name)
             for name, x in arrays.items()}
