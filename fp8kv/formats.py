@@ -56,9 +56,7 @@ FORMAT_OF_DTYPE = {f.dtype: f for f in (E4M3, E5M2)}
 
 def resolve_format(cache_dtype: str, fp8_format: str | None) -> Fp8Format:
     """The format of a cache: its own dtype's, or ``fp8_format`` (default e4m3) for uint8."""
-    if cache_dtype in FORMAT_OF_DTYPE:
-        return FORMAT_OF_DTYPE[cache_dtype]
-    return FORMATS[fp8_format or "e4m3"]
+    return FORMAT_OF_DTYPE.get(cache_dtype) or FORMATS[fp8_format or "e4m3"]
 
 
 INPUT_DTYPES = ("bfloat16", "float16", "float32")
