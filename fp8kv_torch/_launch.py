@@ -126,8 +126,7 @@ def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, names:
     sig = signature(kernel)
     call = bind(kernel, plan, {p: operands[_operand_index(names, p)]
                                for p in sig.inputs + sig.outputs})
-    runnable = ops.kernel_for(kernel, backend == INTERPRET)
-    launch = runnable[plan.grid]
+    launch = ops.kernel_for(kernel, backend == INTERPRET)[plan.grid]
     options = dict(num_warps=plan.num_warps, enable_fp_fusion=plan.enable_fp_fusion)
     if backend == CUDA and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):

@@ -11,13 +11,10 @@ Tensor = torch.Tensor
 
 
 def split_scales(key_scale, value_scale, key_scale_cache, value_scale_cache) -> tuple:
-    """Custom ops cannot take ``float | Tensor`` nor ``str | Tensor``: the scales as ``(key
-    tensor, value tensor, key float, value float)`` and the scale caches as ``(key tensor, value
-    tensor, key inline flag, value inline flag)``, None where a side has no such argument.
-
-    A scale cache other than ``"inline"`` (a wrong type or string) is passed on as is by the eager
-    path, which rejects it; here it is left to the op's own validation, which sees the same
-    argument."""
+    """Custom ops take neither ``float | Tensor`` nor ``str | Tensor``: the scales as ``(key
+    tensor, value tensor, key float, value float)``, the scale caches as ``(key tensor, value
+    tensor, key inline flag, value inline flag)``. A scale cache other than ``"inline"`` (a wrong
+    type or string) is passed on as is, as by the eager path: the op's own validation rejects it."""
     (ks, ksv), (vs, vsv) = ((s, None) if isinstance(s, Tensor) else (None, s)
                             for s in (key_scale, value_scale))
     (ksc, ksi), (vsc, vsi) = ((None, True) if isinstance(c, str) and c == "inline" else (c, False)
