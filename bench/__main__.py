@@ -179,32 +179,25 @@ def main(argv=None) -> None:
     report = Report(args.out, _header(name, copy_gbps, cuda, cfg), copy_gbps,
                     label="" if cuda else CPU_LABEL)
 
-    # "write" is both write tables; "variants" alone is the second one.
-    steps = [({"write"}, write_torch.table_write),
-             ({"write", "variants"}, write_torch.table_variants),
-             ({"dequant"}, dequant.table_dequant),
-             ({"dynamic"}, dynamic.table_dynamic)]
-    for keys, build in steps:
+    # "write" is both write tables; "variants" alone is the second one. Each step gives a list of
+    # tables; a step that fails is reported and the run goes on.
+    def one(build):
+        return lambda: [build(device, cfg, timer, copy_gbps)]
+
+    steps = [({"write"}, "table table_write", one(write_torch.table_write)),
+             ({"write", "variants"}, "table table_variants", one(write_torch.table_variants)),
+             ({"dequant"}, "table table_dequant", one(dequant.table_dequant)),
+             ({"dynamic"}, "table table_dynamic", one(dynamic.table_dynamic)),
+             ({"eager"}, "eager tables", lambda: eager.eager_tables(device, cfg, cuda)),
+             ({"sweep"}, "sweep", lambda: sweep.sweep_tables(device, cfg, timer))]
+    for keys, label, build in steps:
         if keys & args.only:
             try:
-                report.emit(build(device, cfg, timer, copy_gbps))
+                for table in build():
+                    report.emit(table)
             except Exception:
-                report.fail(f"table {build.__name__}")
+                report.fail(label)
             free_memory()
-    if "eager" in args.only:
-        try:
-            for table in eager.eager_tables(device, cfg, cuda):
-                report.emit(table)
-        except Exception:
-            report.fail("eager tables")
-        free_memory()
-    if "sweep" in args.only:
-        try:
-            for table in sweep.sweep_tables(device, cfg, timer):
-                report.emit(table)
-        except Exception:
-            report.fail("sweep")
-        free_memory()
     if "accuracy" in args.only:
         _accuracy(args.out, report)
     # JAX last: see bench.jax_tables for why.
