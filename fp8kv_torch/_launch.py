@@ -248,15 +248,16 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
         outs = _allocate(spec, key_cache.device)
     key_out, value_out, table_out = outs
     device = str(key_cache.device)
-    check_out(info(key_out, "out[0]"), "out[0]", spec[0], args.out_dtype, device)
+    key_info = info(key_out, "out[0]")
+    value_info = None if combined else info(value_out, "out[1]")
+    check_out(key_info, "out[0]", spec[0], args.out_dtype, device)
     if not combined:
-        check_out(info(value_out, "out[1]"), "out[1]", spec[0], args.out_dtype, device)
+        check_out(value_info, "out[1]", spec[0], args.out_dtype, device)
     check_out(info(table_out, "out[-1]"), "out[-1]", spec[3], "int32", device)
     if not table_out.is_contiguous():
         raise ValueError("out[-1]: expected a contiguous new_block_table")
     backend = _backend(key_cache, "key_cache")
-    plan = plan_dequantize(args, info(key_out, "out[0]"),
-                           None if combined else info(value_out, "out[1]"), backend, exact)
+    plan = plan_dequantize(args, key_info, value_info, backend, exact)
     if plan.empty or not launch:
         return outs
     _launch(ops._dequantize_pages_kernel, plan, backend, key_cache.device, DEQUANTIZE_OPERANDS,
