@@ -99,6 +99,28 @@ def _shared(args: WriteArgs | DequantArgs, backend: str, exact: bool | None) -> 
     return scalars, constexprs
 
 
+INT32_REACH = 2**31 - 1  # the largest element offset that int32 address arithmetic may form
+
+
+def offsets_64(args: WriteArgs, tokens: int, block_h: int, block_d: int, block_hd: int) -> bool:
+    """Whether the write kernel must form its offsets in int64: some offset it computes -- masked
+    lanes included: ``tokens`` (the grid's), ``block_h`` heads, ``block_d`` dims or ``block_hd``
+    row columns -- may exceed :data:`INT32_REACH` elements. Strides are never negative."""
+    kc = args.key_cache
+    heads = max(block_h, -(-block_hd // kc.head_dim))   # head index bound of either tile form
+    cols = max(block_d, block_hd, kc.head_dim + args.inline_pad)
+    reach = [(tokens - 1) * x.strides[0] + heads * x.strides[1] + cols
+             for x in (args.key, args.value)]
+    for cache in (args.key_cache, args.value_cache):
+        reach.append(cache.offset + (cache.num_pages - 1) * cache.stride_page
+                     + (cache.page_size - 1) * cache.stride_slot + heads * cache.stride_head + cols)
+    for sc in (args.key_scale_cache, args.value_scale_cache):
+        if sc is not None:
+            reach.append((kc.num_pages - 1) * sc.stride_page + (kc.page_size - 1) * sc.stride_slot
+                         + heads * sc.stride_head)
+    return max(reach) > INT32_REACH
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> LaunchPlan:
     """Plan ``_write_kv_kernel``; ``exact`` forces (True) or forbids (False) the exact path."""
@@ -133,8 +155,10 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
                              and block_t * block_h * block_d <= sizes["loads_first_elems"]),
         # One buffer holds both caches: V goes through the K output (one output per buffer).
         SHARED_OUT=args.combined)
+    grid = (triton.cdiv(args.num_tokens, block_t),)
+    constexprs["OFFSETS_64"] = offsets_64(args, grid[0] * block_t, block_h, block_d, block_hd)
     num_warps = sizes["small_batch_warps"] if small else sizes["num_warps"]
-    return LaunchPlan((triton.cdiv(args.num_tokens, block_t),), num_warps, scalars, constexprs)
+    return LaunchPlan(grid, num_warps, scalars, constexprs)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -136,3 +136,26 @@ def test_dynamic_scale_plans_name_the_kernel_parameters(backend, dynamic):
     plan = plan_dequantize(dargs, out, out, backend)
     check_names(ops._dequantize_pages_kernel, plan.scalars, plan.constexprs,
                 dict.fromkeys(DEQUANT_ARRAYS))
+
+
+@pytest.mark.parametrize("backend", [CUDA, INTERPRET])
+def test_write_offsets_are_int64_only_past_int32_reach(backend):
+    """OFFSETS_64 turns on where some array of the call (masked lanes included) reaches past
+    2**31 - 1 elements: the caches, a strided input, a side scale array."""
+    def plan(num_slots=1024, key_stride=256, scale_stride=None):
+        key = ArrayInfo((6, 2, 128), (key_stride, 128, 1), "bfloat16", "cuda:0")
+        cache = ArrayInfo.contiguous((num_slots, 2, 128), "uint8", "cuda:0")
+        slots = ArrayInfo.contiguous((6,), "int64", "cuda:0")
+        sc = None if scale_stride is None else ArrayInfo((num_slots, 2), (scale_stride, 1),
+                                                         "float32", "cuda:0")
+        args = check_write(key, key, cache, cache, slots, None if sc else 1.0, None if sc else 1.0,
+                           layout="NHD", fp8_format=None, key_scale_cache=sc, value_scale_cache=sc)
+        return plan_write(args, backend).constexprs["OFFSETS_64"]
+
+    assert not plan()
+    assert not plan(num_slots=2 ** 31 // 256 - 2)   # the last row ends 256 elements below 2**31
+    assert plan(num_slots=2 ** 31 // 256)            # 2**31 elements: int64 (a row's margin)
+    assert plan(key_stride=2 ** 31 // 4)             # a token stride: token 5 is past 2**31
+    assert not plan(scale_stride=2)
+    assert not plan(scale_stride=2 ** 21)            # slot 1023 of the side scales: below 2**31
+    assert plan(scale_stride=2 ** 22)                # ... past it

@@ -13,6 +13,8 @@ from tests.cases import WRITE_CASES, WriteCase, as_uint, random_values, write_in
 from tests.helpers import bits, requires_cuda, to_torch, torch
 from fp8kv import reference as ref
 from fp8kv.formats import FORMATS
+from fp8kv.plan import CUDA, plan_write
+from fp8kv.validate import check_write
 from fp8kv_torch import _launch, write_kv, write_kv_combined
 
 
@@ -149,3 +151,50 @@ def test_gpu_exact_path_equals_fast_path(case):
     for f, e, w in zip(fast, exact, want):
         np.testing.assert_array_equal(f, e)
         np.testing.assert_array_equal(e, w)
+
+
+@requires_cuda
+@pytest.mark.parametrize("scales", ["static", "token_head"])
+def test_gpu_rows_past_2_31_elements(scales):
+    """A cache of more than 2**31 elements takes int64 offsets (the plan's OFFSETS_64): rows on
+    both sides of element 2**31 get the reference's bytes (and scales); every other byte keeps
+    its poison. Two 2 GiB caches."""
+    heads, head_dim = 2, 128
+    row = heads * head_dim
+    num_slots = 2 ** 31 // row + 8
+    slots = np.array([0, 2 ** 31 // row - 1, 2 ** 31 // row, num_slots - 1, -1, 7])
+    rng = np.random.default_rng(5)
+    x = [rng.standard_normal((len(slots), heads, head_dim)).astype(ml_dtypes.bfloat16)
+         for _ in range(2)]
+    caches = [torch.full((num_slots, heads, head_dim), 0xAB, dtype=torch.uint8, device="cuda")
+              for _ in range(2)]
+    dynamic = scales == "token_head"
+    scale_caches = ([torch.full((num_slots, heads), -3.0, device="cuda") for _ in range(2)]
+                    if dynamic else [None, None])
+    static = [None, None] if dynamic else [0.37, 2.5]
+    key, value = (to_torch(a, "cuda") for a in x)
+    slots_t = torch.tensor(slots, device="cuda")
+    infos = [_launch.info(t, "x") for t in (key, value, *caches, slots_t)]
+    args = check_write(*infos, *static, layout="NHD", fp8_format=None,
+                       **{f"{side}_scale_cache": _launch.info(sc, side) if dynamic else None
+                          for side, sc in zip(("key", "value"), scale_caches)})
+    assert plan_write(args, CUDA).constexprs["OFFSETS_64"]
+    write_kv(key, value, *caches, slots_t, *static, key_scale_cache=scale_caches[0],
+             value_scale_cache=scale_caches[1])
+    # The reference on a small cache: slot i for token i (padding stays padding).
+    small = np.where(slots < 0, -1, np.arange(len(slots)))
+    zeros = np.zeros((len(slots), heads, head_dim), np.uint8)
+    side = [np.zeros((len(slots), heads), np.float32) if dynamic else None for _ in range(2)]
+    want = ref.write_kv(*x, zeros, zeros, small, *static, layout="NHD", key_scale_cache=side[0],
+                        value_scale_cache=side[1])
+    written = slots[slots >= 0]
+    index = torch.tensor(written, device="cuda")
+    for i, cache in enumerate(caches):
+        np.testing.assert_array_equal(bits(cache[index]), as_uint(want[i])[small >= 0])
+        cache[index] = 0xAB
+        assert bool((cache == 0xAB).all())
+        if dynamic:
+            sc = scale_caches[i]
+            np.testing.assert_array_equal(bits(sc[index]), bits(torch.from_numpy(want[2 + i]))[small >= 0])
+            sc[index] = -3.0
+            assert bool((sc == -3.0).all())
