@@ -62,27 +62,39 @@ def load_scale(scale_ptr, scale_value, head, head_mask, MODE: tl.constexpr):
 
 
 @jit
+def reciprocal_divide(x, s, y):
+    """``(q0, q2)``: ``x / s`` from ``y = RN(1/s)`` as ``q0 = RN(x y)`` and two FMA corrections
+    ``q_{i+1} = RN(q_i - RN(q_i s - x) y)``.
+
+    ``q0`` is within 2 ulps of ``x/s``, ``q1`` then within 1 ulp, and by Markstein's theorem (``y``
+    within half an ulp of ``1/s``, ``q1`` within one ulp of ``x/s``, exact remainder)
+    ``q2 = RN(x/s)`` -- where nothing overflows or underflows; the callers say where that holds.
+    The remainder is taken as ``q s - x`` (not ``x - q s``) so that a +-0 ``x`` keeps its sign
+    through the corrections. Negations are products: Triton lowers ``-v`` as ``0 - v``, which
+    turns a -0 into +0 (for ``s = inf``, ``y = 0`` and ``-y`` must be -0).
+    """
+    neg_y = y * -1.0
+    neg_x = x * -1.0
+    q0 = x * y
+    q1 = tl.math.fma(tl.math.fma(q0, s, neg_x), neg_y, q0)
+    return q0, tl.math.fma(tl.math.fma(q1, s, neg_x), neg_y, q1)
+
+
+@jit
 def divide(x, s, SCALAR: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
     """``x / s`` correctly rounded (IEEE fp32), ``s`` > 0.
 
-    With RECIPROCAL (fast path, one scale per program) the division becomes a multiply by
-    ``y = RN(1/s)`` and two FMA corrections, ``q_{i+1} = RN(q_i + RN(x - q_i s) y)``: ``q0`` is within
-    2 ulps of ``x/s``, ``q1`` is then within 1 ulp, and by Markstein's theorem (``y`` within half
-    an ulp of ``1/s``, ``q1`` within one ulp of ``x/s``, exact remainder) ``q2 = RN(x/s)``. The
-    theorem needs no overflow or underflow, so it is used for ``2**-40 <= s <= 2**40`` and
-    ``2**-40 <= |q0| <= 2**40`` only; outside, ``q0`` already quantizes like ``RN(x/s)`` (to +-0
-    with its sign, or to +-max, inf and NaN included) and other scales take ``div_rn``. The GPU
-    suite checks it on all 2**32 fp32 inputs for a set of scales.
+    With RECIPROCAL (fast path, one scale per program) the division is
+    :func:`reciprocal_divide`. Markstein's theorem needs no overflow or underflow, so it is used
+    for ``2**-40 <= s <= 2**40`` and ``2**-40 <= |q0| <= 2**40`` only; outside, ``q0`` already
+    quantizes like ``RN(x/s)`` (to +-0 with its sign, or to +-max, inf and NaN included) and other
+    scales take ``div_rn``. The GPU suite checks it on all 2**32 fp32 inputs for a set of scales.
     """
     if EXACT or not SCALAR or not RECIPROCAL:
         q = tl.math.div_rn(x, s)
     else:
         if (s >= 2.0 ** -40) & (s <= 2.0 ** 40):
-            y = tl.math.div_rn(s * 0.0 + 1.0, s)
-            neg_s = -s
-            q0 = x * y
-            q1 = tl.math.fma(tl.math.fma(q0, neg_s, x), y, q0)
-            q2 = tl.math.fma(tl.math.fma(q1, neg_s, x), y, q1)
+            q0, q2 = reciprocal_divide(x, s, tl.math.div_rn(s * 0.0 + 1.0, s))
             a = tl.abs(q0)
             q = tl.where((a >= 2.0 ** -40) & (a <= 2.0 ** 40), q2, q0)
         else:
@@ -95,25 +107,16 @@ def divide_by_group_scale(x, s):
     """``x / s`` for a dynamic scale (``s`` = the group's scale, broadcastable to ``x``), giving
     ``RN(x / s)`` wherever that quantizes to more than +-0 -- the same fp8 code as ``div_rn``.
 
-    One reciprocal per group (``y = RN(1/s)``), then per element ``q0 = RN(x y)`` and two FMA
-    corrections ``q_{i+1} = RN(q_i - RN(q_i s - x) y)``, as in :func:`divide`, without its range
-    checks: ``x`` is in its own group, so ``|x / s|`` is at most about the format's max, and
-    ``s >= 2**-20`` (the floor), which keeps ``y`` normal and every remainder exact unless
-    ``|x / s| < 2**-83`` -- a quotient that is +-0 in fp8 however it rounds, with ``x``'s sign:
-    the remainder is taken as ``q s - x`` (not ``x - q s``) so that a +-0 ``x`` keeps its sign
-    through the corrections. An infinite scale corrects with 0 instead of ``inf``: ``q0`` (+-0,
-    or NaN for ``x = inf``) is then already right. The GPU suite checks it against ``div_rn`` on
-    every fp32 input within 27 binades below the amax.
+    One reciprocal per group (``y = RN(1/s)``), then per element :func:`reciprocal_divide`,
+    without :func:`divide`'s range checks: ``x`` is in its own group, so ``|x / s|`` is at most
+    about the format's max, and ``s >= 2**-20`` (the floor), which keeps ``y`` normal and every
+    remainder exact unless ``|x / s| < 2**-83`` -- a quotient that is +-0 in fp8 however it
+    rounds, with ``x``'s sign (kept by the corrections). An infinite scale corrects with 0 instead
+    of ``inf``: ``q0`` (+-0, or NaN for ``x = inf``) is then already right. The GPU suite checks
+    it against ``div_rn`` on every fp32 input within 27 binades below the amax.
     """
     y = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-    # Negations as products: Triton lowers -v as 0 - v, which turns a -0 into +0 (for s = inf,
-    # y = 0 and the corrections need -y = -0 to keep a negative x's -0).
-    neg_y = y * -1.0
-    neg_x = x * -1.0
-    s = tl.where(s == _INF, 0.0, s)
-    q0 = x * y
-    q1 = tl.math.fma(tl.math.fma(q0, s, neg_x), neg_y, q0)
-    return tl.math.fma(tl.math.fma(q1, s, neg_x), neg_y, q1)
+    return reciprocal_divide(x, tl.where(s == _INF, 0.0, s), y)[1]
 
 
 @jit
@@ -262,10 +265,9 @@ def dynamic_scale(amax, E5M2: tl.constexpr, POW2: tl.constexpr, EXACT: tl.conste
     """The dynamic dequant scale of a group: ``max(RN(amax / fmax), floor)``, then (POW2) the
     smallest power of two ``>= s``, exactly, on the fp32 bits (``inf`` stays ``inf``).
 
-    The fast path divides by the constant ``fmax`` as :func:`divide_by_reciprocal` does (a
-    constant ``RN(1/fmax)`` and two FMA corrections; a quotient small enough to underflow in
-    them is far below the floor), the exact path with ``div_rn``. The GPU suite compares the two
-    on every finite fp32 amax.
+    The fast path divides by the constant ``fmax`` with :func:`reciprocal_divide` and the
+    constant ``RN(1/fmax)`` (a quotient small enough to underflow in it is far below the floor),
+    the exact path with ``div_rn``. The GPU suite compares the two on every finite fp32 amax.
     """
     if E5M2:
         FMAX: tl.constexpr = E5M2_MAX_VALUE
@@ -276,10 +278,7 @@ def dynamic_scale(amax, E5M2: tl.constexpr, POW2: tl.constexpr, EXACT: tl.conste
     if EXACT:
         s = tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32))
     else:
-        q0 = amax * RCP_FMAX
-        q1 = tl.math.fma(tl.math.fma(q0, -FMAX, amax), RCP_FMAX, q0)
-        q2 = tl.math.fma(tl.math.fma(q1, -FMAX, amax), RCP_FMAX, q1)
-        s = tl.where(amax == _INF, amax, q2)
+        s = tl.where(amax == _INF, amax, reciprocal_divide(amax, FMAX, RCP_FMAX)[1])
     s = tl.maximum(s, tl.full(amax.shape, SCALE_FLOOR, tl.float32))
     if POW2:
         # s >= the floor is a positive normal or +inf: a power of two has a zero mantissa;
