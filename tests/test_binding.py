@@ -153,7 +153,7 @@ def test_write_offsets_are_int64_only_past_int32_reach(backend):
         return plan_write(args, backend).constexprs["OFFSETS_64"]
 
     assert not plan()
-    assert not plan(num_slots=2 ** 31 // 256 - 2)   # the last row ends 256 elements below 2**31
+    assert not plan(num_slots=2 ** 31 // 256 - 2)   # the cache ends 512 elements below 2**31
     assert plan(num_slots=2 ** 31 // 256)            # 2**31 elements: int64 (a row's margin)
     assert plan(key_stride=2 ** 31 // 4)             # a token stride: token 5 is past 2**31
     assert not plan(scale_stride=2)
