@@ -83,7 +83,12 @@ def test_repeat_is_cached_and_new_signatures_revalidate(device, validations):
     write_kv(k, v, kc.transpose(1, 2), vc.transpose(1, 2), slots, scale, scale, layout="HND")
     flat = torch.zeros(3 * 2 * 16 + 1, dtype=torch.bfloat16, device=device)
     write_kv(flat[1:].view(3, 2, 16), v, kc, vc, slots, scale, scale)    # alignment
-    assert validations["write"] == before + 8
+    th = [torch.zeros(4, 4, 2, device=device) for _ in range(2)]
+    write_kv(k, v, kc, vc, slots, key_scale_cache=th[0], value_scale_cache=th[1])  # dynamic
+    write_kv(k, v, kc, vc, slots, key_scale_cache=th[0][..., 0], value_scale_cache=th[1][..., 0])
+    write_kv(k, v, kc, vc, slots, key_scale_cache=th[0], value_scale_cache=th[1],
+             scale_rounding="pow2")                                       # its rounding
+    assert validations["write"] == before + 11
 
 
 def test_cached_launch_writes_the_tensors_of_each_call(device, validations):
