@@ -5,7 +5,8 @@ signature (:class:`_ReadyLaunch`): a steady-state call costs a key of its tensor
 dict lookup and one launch. Everything that validation or the plan read is in the key (shapes,
 strides, dtypes, devices, 16-byte alignment, scale kinds and values, options), so a call that
 differs in any of them is validated and planned afresh; a call that fails validation is never
-cached, and fails the same way every time.
+cached, and fails the same way every time. A repeat of an op's last signature (one per layer of a
+step) is recognised before the key is built, by a check in C (:class:`fp8kv_torch._fast.LastCall`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import operator
 import torch
 
 from fp8kv import ops
+
+from . import _fast
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import BoundCall, bind, signature
 from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
@@ -62,15 +65,16 @@ def _operand_index(names: tuple, param: str) -> int:
 class _ReadyLaunch:
     """A kernel bound to its grid, scalars and constexprs: one launch per call.
 
-    On CUDA it holds the launcher of the compiled kernel (``CompiledKernel[grid]``, the public
-    entry point Triton returns from a launch), which skips ``kernel[grid](...)``'s per-call
-    argument binding and specialization (~10 us); under the interpreter, the interpreted kernel.
+    On CUDA it holds the launcher of the compiled kernel (:func:`fp8kv_torch._fast.direct_launcher`,
+    or ``CompiledKernel[grid]``, the public entry point Triton returns from a launch), which skips
+    ``kernel[grid](...)``'s per-call argument binding and specialization (~10 us); under the
+    interpreter, the interpreted kernel.
     """
 
     __slots__ = ("launch", "outputs_spec")
 
     def __init__(self, kernel, launched, call: BoundCall, plan: LaunchPlan, backend: str,
-                 names: tuple, outputs_spec=None):
+                 names: tuple, device: torch.device, outputs_spec=None):
         """``names``: the parameter name of each operand, in the order the op passes them."""
         self.outputs_spec = outputs_spec  # what an allocating call allocates
         sig, scalars = call.signature, call.scalars
@@ -78,7 +82,8 @@ class _ReadyLaunch:
         inputs = operator.itemgetter(*[_operand_index(names, n) for n in sig.inputs], 0)
         outputs = operator.itemgetter(*[_operand_index(names, n) for n in sig.outputs], 0)
         if backend == CUDA:
-            runner = launched[plan.grid + (1,) * (3 - len(plan.grid))]
+            grid = plan.grid + (1,) * (3 - len(plan.grid))
+            runner = _fast.direct_launcher(launched, grid, device.index) or launched[grid]
             tail = tuple(call.constexprs.values())
             self.launch = lambda operands: runner(*inputs(operands)[:-1], *scalars,
                                                     *outputs(operands)[:-1], *tail)
@@ -91,6 +96,8 @@ class _ReadyLaunch:
 
 _READY: dict = {}
 _READY_LIMIT = 4096  # float scales that change every call would otherwise grow it without bound
+_LAST: dict = {}     # op -> _fast.LastCall
+_PREVIOUS_KEY: dict = {}  # op -> the key of its last call served from _READY
 
 
 def clear_launch_caches() -> None:
@@ -98,6 +105,21 @@ def clear_launch_caches() -> None:
     plan_write.cache_clear()
     plan_dequantize.cache_clear()
     _READY.clear()
+    _LAST.clear()
+    _PREVIOUS_KEY.clear()
+
+
+def _remember(op: str, key, args: tuple, options, ready) -> None:
+    """Make ``ready`` the op's last call once its key came twice in a row (a LastCall costs a few
+    us to make: calls that alternate between signatures keep the key path alone)."""
+    if _PREVIOUS_KEY.get(op) != key:
+        _PREVIOUS_KEY[op] = key
+        return
+    last = _fast.LastCall.make(args, options, ready)
+    if last is None:
+        _LAST.pop(op, None)
+    else:
+        _LAST[op] = last
 
 
 def _find_ready(op: str, tensors, options):
@@ -108,14 +130,20 @@ def _find_ready(op: str, tensors, options):
     if not isinstance(first, torch.Tensor) or (
             first.is_cuda and first.get_device() != torch.cuda.current_device()):
         return None, None
+    last = _LAST.get(op)
+    if last is not None and last.matches(tensors, options):
+        return None, last.ready
     # Per tensor: what validation and the plan read of it; anything else (None, a host scale,
     # "inline") as it is -- its value is part of the plan.
     key = (op, options, *[(t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
                           if isinstance(t, torch.Tensor) else t for t in tensors])
     try:
-        return key, _READY.get(key)
+        ready = _READY.get(key)
     except TypeError:  # unhashable: not a tensor or a number
         return None, None
+    if ready is not None:
+        _remember(op, key, tensors, options, ready)
+    return key, ready
 
 
 def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, names: tuple,
@@ -136,8 +164,9 @@ def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, names:
     if ready_key is not None and (backend == INTERPRET or hasattr(launched, "__getitem__")):
         if len(_READY) >= _READY_LIMIT:
             _READY.clear()
-        _READY[ready_key] = _ReadyLaunch(kernel, launched, call, plan, backend, names,
+        _READY[ready_key] = _ReadyLaunch(kernel, launched, call, plan, backend, names, device,
                                          outputs_spec)
+        _PREVIOUS_KEY[ready_key[0]] = ready_key   # a repeat may make it the op's LastCall
 
 
 def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,

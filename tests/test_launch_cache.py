@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 
 from tests.helpers import bits, torch
 from fp8kv import reference as ref
-from fp8kv_torch import _launch, dequantize_pages, dequantize_pages_combined, write_kv
+from fp8kv_torch import _fast, _launch, dequantize_pages, dequantize_pages_combined, write_kv
 
 
 @pytest.fixture
@@ -149,3 +149,55 @@ def test_dequantize_cache(device, validations, allocating):
     for _ in range(3):
         with pytest.raises(ValueError, match=r"block_table: expected rank 2"):
             dequantize_pages(cache, cache, table[0], 0.5, 0.5, dtype=torch.float32)
+
+
+def test_torch_guards_pass_their_self_test():
+    """The repeat check of fp8kv_torch._fast runs on the torch versions CI and the GPU suite use
+    (its self-test passes): were torch to change the private guards, this fails, and calls keep
+    working through the metadata key, only slower."""
+    assert _fast._tensor_guard() is not None
+
+
+def test_a_repeated_signature_is_served_by_the_last_call_check(device, validations):
+    k, v, kc, vc, slots = _write_inputs(device)
+    scale = torch.tensor(0.5, device=device)
+    for _ in range(2):
+        write_kv(k, v, kc, vc, slots, scale, scale)
+    assert "write" in _launch._LAST       # the second call of a signature makes it
+    _launch._READY.clear()                # no key lookup can serve the next calls
+    for seed in range(2):                 # new tensors of the same signature
+        k, v, kc, vc, slots = _write_inputs(device, seed=seed)
+        write_kv(k, v, kc, vc, slots, scale, scale)
+        want = _expected_write(k, v, torch.zeros_like(kc), torch.zeros_like(vc), slots, scale, scale)
+        np.testing.assert_array_equal(bits(kc), want[0])
+    write_kv(k, v, kc, vc, slots, 0.5, scale)   # a host scale where a tensor was: validated
+    assert validations["write"] == 2
+
+
+def test_alternating_signatures_make_no_last_call(device, validations):
+    a, b = _write_inputs(device), _write_inputs(device, tokens=5)
+    for _ in range(3):
+        write_kv(*a)
+        write_kv(*b)
+    assert "write" not in _launch._LAST and validations["write"] == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs in the GPU suite)")
+def test_gpu_direct_launches_and_launch_hooks():
+    """Ready launches call Triton's launcher directly on the Triton of the GPU suite, and a
+    registered launch hook (a profiler) still sees every launch."""
+    import triton
+    from triton import knobs
+    assert _fast._runner_matches(triton.compiler.CompiledKernel)
+    args = _write_inputs("cuda")
+    for _ in range(3):
+        write_kv(*args)
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        write_kv(*args)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert seen == ["_write_kv_kernel"]
