@@ -15,13 +15,13 @@ import operator
 import torch
 
 from fp8kv import ops
-
-from . import _fast
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import BoundCall, bind, signature
 from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
 from fp8kv.validate import (check_dequantize, check_out, check_slots_in_range,
                             check_table_in_range, check_write, dequantized_shape, frontend_args)
+
+from . import _fast
 
 
 def dtype_name(dtype: torch.dtype) -> str:

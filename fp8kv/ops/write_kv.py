@@ -99,6 +99,18 @@ def _write_dynamic(raw, dst, row, stride_c_head, scale_dst, scale_row, stride_sc
                      mask=th_mask, eviction_policy="evict_last")
 
 
+@jit
+def _quantize_static(x, scale_ptr, scale_value, head, col_mask, MODE: tl.constexpr,
+                     E5M2: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL_DIV: tl.constexpr):
+    """One side's ``[BLOCK_T, BLOCK_HD]`` fp8 codes with a static scale (none, a value, a
+    tensor, or per head: ``head`` is each column's)."""
+    if MODE != SCALE_NONE:
+        s = load_scale(scale_ptr, scale_value, head, col_mask, MODE)
+        x = divide(x, s if MODE != SCALE_HEAD else s[None, :], MODE != SCALE_HEAD, EXACT,
+                   RECIPROCAL_DIV)
+    return fp32_to_fp8_code(x, E5M2, EXACT).to(tl.uint8)
+
+
 @jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, key_scale_ptr, value_scale_ptr,
@@ -187,17 +199,11 @@ def _write_kv_kernel(
         if V_STATIC:
             xv = load_as_fp32(value_ptr, value_in[:, None] + v_col[None, :], load_mask, EXACT)
         if K_STATIC:
-            if K_SCALE_MODE != SCALE_NONE:
-                ks = load_scale(key_scale_ptr, key_scale_value, head, col_mask, K_SCALE_MODE)
-                xk = divide(xk, ks if K_SCALE_MODE != SCALE_HEAD else ks[None, :],
-                            K_SCALE_MODE != SCALE_HEAD, EXACT, RECIPROCAL_DIV)
-            qk = fp32_to_fp8_code(xk, E5M2, EXACT).to(tl.uint8)
+            qk = _quantize_static(xk, key_scale_ptr, key_scale_value, head, col_mask,
+                                  K_SCALE_MODE, E5M2, EXACT, RECIPROCAL_DIV)
         if V_STATIC:
-            if V_SCALE_MODE != SCALE_NONE:
-                vs = load_scale(value_scale_ptr, value_scale_value, head, col_mask, V_SCALE_MODE)
-                xv = divide(xv, vs if V_SCALE_MODE != SCALE_HEAD else vs[None, :],
-                            V_SCALE_MODE != SCALE_HEAD, EXACT, RECIPROCAL_DIV)
-            qv = fp32_to_fp8_code(xv, E5M2, EXACT).to(tl.uint8)
+            qv = _quantize_static(xv, value_scale_ptr, value_scale_value, head, col_mask,
+                                  V_SCALE_MODE, E5M2, EXACT, RECIPROCAL_DIV)
         if K_STATIC:
             tl.store(key_dst + (key_row[:, None] + kc_col[None, :]), qk, mask=mask)
         if V_STATIC:
