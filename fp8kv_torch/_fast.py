@@ -15,6 +15,7 @@ just slower. ``bench/NOTES.md`` item 21 has the numbers.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import operator
 
@@ -23,25 +24,26 @@ import torch
 
 @functools.cache
 def _tensor_guard():
-    """``(make, check)`` of torch's TensorGuards for one tensor each (a guard of several fails
-    when one tensor is passed twice, as a shared scale is), if they behave here as
-    :class:`LastCall` relies on; else None."""
+    """``(make, check)`` of torch's TensorGuards over a list of distinct tensors, if they behave
+    here as :class:`LastCall` relies on; else None."""
     try:
         from torch._C._dynamo.guards import TensorGuards
 
-        def make(t):
-            return TensorGuards(t, dynamic_dims_sizes=[list(t.shape)],
-                                dynamic_dims_strides=[list(t.stride())])
+        def make(tensors):
+            return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                                dynamic_dims_strides=[list(t.stride()) for t in tensors])
 
         a, b = torch.zeros(4, 6), torch.zeros(3, dtype=torch.int32)
-        ga, gb = make(a), make(b)
-        same = (ga.check(a), ga.check(torch.ones(4, 6)), gb.check(torch.ones(3, dtype=torch.int32)))
+        guard, check = make([a, b]), TensorGuards.check
+        same = (check(guard, a, b), check(guard, torch.ones(4, 6), b),
+                check(guard, a, torch.ones(3, dtype=torch.int32)))
         # Each differs in one property: shape, strides, strides, dtype, device.
-        changed = (ga.check(torch.zeros(4, 5)), ga.check(torch.zeros(6, 4).t()),
-                   gb.check(torch.zeros(6, dtype=torch.int32)[::2]),
-                   gb.check(torch.zeros(3, dtype=torch.int64)), gb.check(b.to("meta")))
+        changed = (check(guard, torch.zeros(4, 5), b), check(guard, torch.zeros(6, 4).t(), b),
+                   check(guard, a, torch.zeros(6, dtype=torch.int32)[::2]),
+                   check(guard, a, torch.zeros(3, dtype=torch.int64)),
+                   check(guard, a, b.to("meta")))
         ok = all(s is True for s in same) and not any(changed)
-        return (make, TensorGuards.check) if ok else None
+        return (make, check) if ok else None
     except Exception:  # not there, or another signature: the public path serves
         return None
 
@@ -56,38 +58,88 @@ def _getter(indices):
     return operator.itemgetter(*indices)
 
 
-class LastCall:
-    """One op's last ready call, matched before any key is built: the same options, argument
-    types and non-tensor arguments (a host scale, None, "inline"), tensors accepted by a guard
-    made of the last call's (dtype, device, sizes, strides, ...), and every tensor 16-byte
-    aligned -- a call with one that is not never becomes a LastCall: the compiled kernel depends
-    on each pointer's alignment."""
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
-    __slots__ = ("options", "types", "others_of", "others", "tensors_of", "guards", "check",
-                 "ready")
+
+class LastCall:
+    """One op's last ready call, matched before any key is built.
+
+    A call matches when it has the same options, argument types and non-tensor arguments (a host
+    scale, None, "inline"); its tensors pass one guard made of the last call's (dtype, device,
+    sizes, strides, ...; the guard also requires them to be distinct objects); a tensor passed at
+    several places last time is passed at the same places again; the current device is still
+    the tensors' device; and every tensor is 16-byte aligned (the compiled kernel depends on it;
+    a call with a misaligned tensor never becomes a LastCall). Its launch then takes the
+    tensors' pointers straight into the kernel's arguments: which operand reads which argument
+    was worked out once, from the op's own operand list.
+    """
+
+    __slots__ = ("options", "types", "others_of", "others", "tensors_of", "alias_of", "source_of",
+                 "guard", "check", "device", "value_of", "new_of", "launch", "outputs_spec")
 
     @classmethod
-    def make(cls, args: tuple, options, ready) -> "LastCall | None":
+    def make(cls, args: tuple, options, ready, operands_of, new_outputs=()) -> "LastCall | None":
+        """``operands_of(args, outs)``: the op's kernel operands (``ready``'s order) from its
+        arguments; ``outs`` is None, or for an op that allocates its outputs on each call the
+        new outputs (``new_outputs``: which of them exist, e.g. no value output for a combined
+        cache)."""
         guard = _tensor_guard()
-        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        tensors = [args[i] for i in positions]
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if guard is None or not tensors or _misaligned(tensors):
             return None
+        first, distinct, aliases = {}, [], []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                j = first.setdefault(id(a), i)
+                (distinct if j == i else aliases).append((i, j))
+        # Stand-ins, one per distinct tensor, find each operand's place among the values a call
+        # passes: its distinct tensors' values, then its new outputs'.
+        stand = list(args)
+        for i, _ in distinct:
+            stand[i] = torch.empty(0)
+        for i, j in aliases:
+            stand[i] = stand[j]
+        outs = tuple(torch.empty(0) if exists else None for exists in new_outputs) or None
+        places = [stand[i] for i, _ in distinct] + [o for o in outs or () if o is not None]
+        positions = [next(k for k, p in enumerate(places) if p is op)
+                     for op in operands_of(tuple(stand), outs)]
         last = cls()
-        last.options, last.types, last.ready = options, tuple(map(type, args)), ready
-        last.tensors_of = _getter(positions)
-        last.others_of = _getter([i for i in range(len(args)) if i not in positions])
+        last.options, last.types = options, tuple(map(type, args))
+        last.outputs_spec = ready.outputs_spec
+        last.others_of = _getter([i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)])
         last.others = last.others_of(args)
+        last.tensors_of = _getter([i for i, _ in distinct])
+        last.alias_of = _getter([i for i, _ in aliases]) if aliases else None
+        last.source_of = _getter([j for _, j in aliases])
         make, last.check = guard
-        last.guards = tuple(map(make, tensors))
+        last.guard = make([args[i] for i, _ in distinct])
+        last.device = tensors[0].get_device() if tensors[0].is_cuda else None
+        last.value_of = torch.Tensor.data_ptr if ready.pointers else (lambda t: t)
+        last.new_of = _getter([k for k, o in enumerate(outs or ()) if o is not None])
+        select, consts, runner = ready.selector(positions, len(places)), ready.consts, ready.runner
+        last.launch = lambda values: runner(*select(values + consts))
         return last
 
-    def matches(self, args: tuple, options) -> bool:
-        if options != self.options or tuple(map(type, args)) != self.types:
-            return False
+    def match(self, args: tuple, options):
+        """The values to launch with (pointers on CUDA, the tensors under the interpreter) if
+        ``args`` is a repeat of this call's signature; else None."""
+        if (options != self.options or tuple(map(type, args)) != self.types
+                or self.others_of(args) != self.others):
+            return None
         tensors = self.tensors_of(args)
-        return (self.others_of(args) == self.others and all(map(self.check, self.guards, tensors))
-                and not _misaligned(tensors))
+        if not self.check(self.guard, *tensors) or (
+                self.alias_of is not None
+                and not all(map(operator.is_, self.alias_of(args), self.source_of(args)))) or (
+                self.device is not None and _current_device() != self.device):
+            return None
+        pointers = tuple(map(torch.Tensor.data_ptr, tensors))
+        if functools.reduce(operator.or_, pointers) & 15:
+            return None
+        return pointers if self.value_of is torch.Tensor.data_ptr else tensors
+
+    def new_values(self, outs: tuple) -> tuple:
+        """The values of an allocating call's new outputs, to append to :meth:`match`'s."""
+        return tuple(map(self.value_of, self.new_of(outs)))
 
 
 def _misaligned(tensors) -> bool:
@@ -113,6 +165,32 @@ def _runner_matches(compiled_class) -> bool:
                                           for h in hooks)
 
 
+# Triton 3.6's CudaLauncher.__call__ (whitespace-normalized source): it allocates the kernel's
+# global and profile scratch buffers where the kernel has them, then calls the launcher's C
+# function with the grid, stream, kernel, two launch flags and the two buffers. Where the
+# installed Triton's launcher is exactly this and the kernel has no scratch, direct_launcher
+# makes that C call itself (another Triton's launcher is called as its runner calls it).
+_LAUNCHER_SHA256 = "b5e4d84a36af22efc4017e23f5873393dc885ae5ca6077a545182aa971d8d324"
+
+
+@functools.cache
+def _launcher_matches(launcher_class) -> bool:
+    try:
+        source = " ".join(inspect.getsource(launcher_class.__call__).split())
+    except Exception:
+        return False
+    return hashlib.sha256(source.encode()).hexdigest() == _LAUNCHER_SHA256
+
+
+def _c_launch(run):
+    """``run``'s C launch function and its two flags, where calling it as ``run`` would is all
+    ``run`` does for this kernel; else None."""
+    if (not _launcher_matches(type(run)) or getattr(run, "global_scratch_size", 1)
+            or getattr(run, "profile_scratch_size", 1)):
+        return None
+    return run.launch, run.launch_cooperative_grid, run.launch_pdl
+
+
 def direct_launcher(compiled, grid: tuple, device_index: int):
     """``launch(*args)`` for a compiled kernel on ``device_index``, or None where the check
     fails. While a launch hook is registered (a profiler), it goes through Triton's runner."""
@@ -127,10 +205,15 @@ def direct_launcher(compiled, grid: tuple, device_index: int):
     enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
     stream = functools.partial(raw_stream, device_index)
     g0, g1, g2 = grid
+    c_function, cooperative, pdl = _c_launch(run) or (None, None, None)
 
     def launch(*args):
         if (enter.calls or exit_.calls or runtime.launch_enter_hook is not enter
                 or runtime.launch_exit_hook is not exit_):
             return runner(*args)   # hooks get their launch metadata from Triton's runner
-        run(g0, g1, g2, stream(), function, metadata, None, None, None, *args)
+        if c_function is None:
+            run(g0, g1, g2, stream(), function, metadata, None, None, None, *args)
+        else:
+            c_function(g0, g1, g2, stream(), function, cooperative, pdl, None, None, metadata,
+                       None, None, None, *args)
     return launch

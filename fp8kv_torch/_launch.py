@@ -10,6 +10,7 @@ step) is recognised before the key is built, by a check in C (:class:`fp8kv_torc
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -65,40 +66,51 @@ def _operand_index(names: tuple, param: str) -> int:
 class _ReadyLaunch:
     """A kernel bound to its grid, scalars and constexprs: one launch per call.
 
-    On CUDA it holds the launcher of the compiled kernel (:func:`fp8kv_torch._fast.direct_launcher`,
+    On CUDA ``runner`` is the launcher of the compiled kernel (:func:`fp8kv_torch._fast.direct_launcher`,
     or ``CompiledKernel[grid]``, the public entry point Triton returns from a launch), which skips
-    ``kernel[grid](...)``'s per-call argument binding and specialization (~10 us); under the
-    interpreter, the interpreted kernel.
+    ``kernel[grid](...)``'s per-call argument binding and specialization (~10 us), and takes
+    pointers as ints; under the interpreter, the interpreted kernel, which takes the tensors.
+    The kernel's arguments are the operands' values, the scalars and the constexprs, in the order
+    that :meth:`selector` gives.
     """
 
-    __slots__ = ("launch", "outputs_spec")
+    __slots__ = ("runner", "pointers", "inputs", "outputs", "scalars", "consts", "select",
+                 "outputs_spec")
 
     def __init__(self, kernel, launched, call: BoundCall, plan: LaunchPlan, backend: str,
                  names: tuple, device: torch.device, outputs_spec=None):
         """``names``: the parameter name of each operand, in the order the op passes them."""
         self.outputs_spec = outputs_spec  # what an allocating call allocates
-        sig, scalars = call.signature, call.scalars
-        # Operands -> the kernel's order, by index (a C-level getter: no dict per call).
-        inputs = operator.itemgetter(*[_operand_index(names, n) for n in sig.inputs], 0)
-        outputs = operator.itemgetter(*[_operand_index(names, n) for n in sig.outputs], 0)
-        if backend == CUDA:
+        sig = call.signature
+        self.inputs = [_operand_index(names, n) for n in sig.inputs]
+        self.outputs = [_operand_index(names, n) for n in sig.outputs]
+        self.scalars = len(call.scalars)
+        self.consts = (*call.scalars, *call.constexprs.values())
+        # Pointers as ints on CUDA: Triton's launcher then neither calls each tensor's data_ptr
+        # nor asks the driver about each pointer (~0.3 us apiece).
+        self.pointers = backend == CUDA
+        if self.pointers:
             grid = plan.grid + (1,) * (3 - len(plan.grid))
-            runner = _fast.direct_launcher(launched, grid, device.index) or launched[grid]
-            tail = tuple(call.constexprs.values())
-            data_ptr = torch.Tensor.data_ptr
-
-            def launch(operands):
-                # Pointers as ints: Triton's launcher then neither calls each tensor's data_ptr
-                # nor asks the driver about each pointer (~0.3 us apiece); every operand is a
-                # tensor on this device, which the call's validation or repeat check ensured.
-                ptrs = tuple(map(data_ptr, operands))
-                runner(*inputs(ptrs)[:-1], *scalars, *outputs(ptrs)[:-1], *tail)
-            self.launch = launch
+            self.runner = _fast.direct_launcher(launched, grid, device.index) or launched[grid]
         else:
-            runner = ops.kernel_for(kernel, True)[plan.grid]
-            self.launch = lambda operands: runner(
-                *inputs(operands)[:-1], *scalars, *outputs(operands)[:-1],
-                num_warps=plan.num_warps, **call.constexprs)
+            self.runner = functools.partial(ops.kernel_for(kernel, True)[plan.grid],
+                                            num_warps=plan.num_warps)
+        self.select = self.selector(range(len(names)), len(names))
+
+    def selector(self, positions, count: int):
+        """``values + consts -> the kernel's arguments`` (inputs, scalars, outputs, constexprs),
+        for ``values`` of ``count`` items in which operand ``i`` is at ``positions[i]``: a C-level
+        getter, nothing else per call."""
+        order = ([positions[i] for i in self.inputs] + [count + j for j in range(self.scalars)]
+                 + [positions[i] for i in self.outputs]
+                 + [count + j for j in range(self.scalars, len(self.consts))])
+        return operator.itemgetter(*order)
+
+    def launch(self, operands) -> None:
+        """Launch on these operands (each a tensor on the planned device, as the call's validation
+        or key ensured)."""
+        values = tuple(map(torch.Tensor.data_ptr, operands)) if self.pointers else operands
+        self.runner(*self.select(values + self.consts))
 
 
 _READY: dict = {}
@@ -116,30 +128,29 @@ def clear_launch_caches() -> None:
     _PREVIOUS_KEY.clear()
 
 
-def _remember(op: str, key, args: tuple, options, ready) -> None:
+def _remember(op: str, key, args: tuple, options, ready, allocating: bool) -> None:
     """Make ``ready`` the op's last call once its key came twice in a row (a LastCall costs a few
     us to make: calls that alternate between signatures keep the key path alone)."""
     if _PREVIOUS_KEY.get(op) != key:
         _PREVIOUS_KEY[op] = key
         return
-    last = _fast.LastCall.make(args, options, ready)
+    new_outputs = (True, not ready.outputs_spec[2], True) if allocating else ()
+    last = _fast.LastCall.make(args, options, ready, _OPERANDS_OF[op], new_outputs)
     if last is None:
         _LAST.pop(op, None)
     else:
         _LAST[op] = last
 
 
-def _find_ready(op: str, tensors, options):
-    """``(key, ready launch or None)`` for a call; key None where no ready launch may serve it:
-    tensors on a CUDA device other than the current one (they launch under a device guard), or
-    arguments that are not what they should be (validation then says which)."""
+def _find_ready(op: str, tensors, options, allocating: bool = False):
+    """``(key, ready launch or None)`` for a call that no LastCall served; key None where no
+    ready launch may serve it: tensors on a CUDA device other than the current one (they launch
+    under a device guard), or arguments that are not what they should be (validation then says
+    which). ``allocating``: the call allocates its outputs."""
     first = tensors[0]
     if not isinstance(first, torch.Tensor) or (
             first.is_cuda and first.get_device() != torch.cuda.current_device()):
         return None, None
-    last = _LAST.get(op)
-    if last is not None and last.matches(tensors, options):
-        return None, last.ready
     # Per tensor: what validation and the plan read of it; anything else (None, a host scale,
     # "inline") as it is -- its value is part of the plan.
     key = (op, options, *[(t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
@@ -149,7 +160,7 @@ def _find_ready(op: str, tensors, options):
     except TypeError:  # unhashable: not a tensor or a number
         return None, None
     if ready is not None:
-        _remember(op, key, tensors, options, ready)
+        _remember(op, key, tensors, options, ready, allocating)
     return key, ready
 
 
@@ -184,16 +195,17 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
     ``exact`` forces the exact (True) or hardware (False) conversions; ``launch=False`` only
     validates (the fake implementation of the custom op).
     """
-    operands = _write_operands(key, value, key_cache, value_cache, slots, key_scale, value_scale,
-                               key_scale_cache, value_scale_cache)
+    passed = (key, value, key_cache, value_cache, slots, key_scale, value_scale, key_scale_cache,
+            value_scale_cache)
     ready_key = None
     if launch and exact is None and not check_bounds:
-        ready_key, ready = _find_ready("write", (key, value, key_cache, value_cache, slots,
-                                                 key_scale, value_scale, key_scale_cache,
-                                                 value_scale_cache),
-                                       (layout, fp8_format, scale_rounding))
+        options = (layout, fp8_format, scale_rounding)
+        last = _LAST.get("write")
+        if last is not None and (values := last.match(passed, options)) is not None:
+            return last.launch(values)
+        ready_key, ready = _find_ready("write", passed, options)
         if ready is not None:
-            return ready.launch(operands)
+            return ready.launch(_write_operands(*passed))
     arrays = dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slots=slots)
     args = check_write(**frontend_args(info, torch.Tensor, arrays, key_scale, value_scale,
                                        key_scale_cache, value_scale_cache),
@@ -204,7 +216,8 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
     plan = plan_write(args, backend, exact)
     if plan.empty or not launch:
         return
-    _launch(ops._write_kv_kernel, plan, backend, key.device, WRITE_OPERANDS, operands, ready_key)
+    _launch(ops._write_kv_kernel, plan, backend, key.device, WRITE_OPERANDS, _write_operands(*passed),
+            ready_key)
 
 
 WRITE_OPERANDS = ("key", "value", "key_cache", "value_cache", "slot", "key_scale", "value_scale")
@@ -239,6 +252,17 @@ def _dequantize_operands(key_cache, value_cache, block_table, key_scale, value_s
             key_out, key_out if value_out is None else value_out, table_out)
 
 
+def _dequantize_operands_of(args: tuple, outs) -> tuple:
+    """The operands from ``dequantize_pages``' tensor arguments as ``_find_ready`` sees them (the
+    outputs last, where passed) and ``outs`` (None: take them from ``args``)."""
+    return _dequantize_operands(*args[:5], args[7:] if outs is None else outs, *args[5:7])
+
+
+# op -> operands_of(args, outs) for LastCall: which kernel operand each argument becomes.
+_OPERANDS_OF = {"write": lambda args, outs: _write_operands(*args),
+                "dequantize": _dequantize_operands_of}
+
+
 def _allocate(spec, device) -> tuple:
     """``(key_out, value_out or None, table_out)`` from ``(pages shape, dtype, combined, table
     shape)``."""
@@ -260,15 +284,21 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     """
     ready_key = None
     if launch and exact is None and not check_bounds:
-        tensors = (key_cache, value_cache, block_table, key_scale, value_scale, key_scale_cache,
-                   value_scale_cache, *(outs or ()))
-        ready_key, ready = _find_ready("dequantize", tensors,
-                                       (dtype, layout, fp8_format, null_page, head_dim,
-                                        outs is None))
+        passed = (key_cache, value_cache, block_table, key_scale, value_scale, key_scale_cache,
+                value_scale_cache, *(outs or ()))
+        allocating = outs is None
+        options = (dtype, layout, fp8_format, null_page, head_dim, allocating)
+        last = _LAST.get("dequantize")
+        if last is not None and (values := last.match(passed, options)) is not None:
+            if allocating:
+                outs = _allocate(last.outputs_spec, key_cache.device)
+                values += last.new_values(outs)
+            last.launch(values)
+            return outs
+        ready_key, ready = _find_ready("dequantize", passed, options, allocating)
         if ready is not None:
             outs = outs or _allocate(ready.outputs_spec, key_cache.device)
-            ready.launch(_dequantize_operands(key_cache, value_cache, block_table, key_scale,
-                                              value_scale, outs, key_scale_cache, value_scale_cache))
+            ready.launch(_dequantize_operands_of(passed, outs))
             return outs
     combined = value_cache is None
     arrays = dict(key_cache=key_cache, value_cache=value_cache, block_table=block_table)

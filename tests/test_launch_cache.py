@@ -6,6 +6,8 @@ The bytes written through cached launches are checked against the reference.
 """
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -14,7 +16,8 @@ pytest.importorskip("torch")
 
 from tests.helpers import bits, torch
 from fp8kv import reference as ref
-from fp8kv_torch import _fast, _launch, dequantize_pages, dequantize_pages_combined, write_kv
+from fp8kv_torch import (_fast, _launch, dequantize_pages, dequantize_pages_combined, write_kv,
+                         write_kv_combined)
 
 
 @pytest.fixture
@@ -174,6 +177,84 @@ def test_a_repeated_signature_is_served_by_the_last_call_check(device, validatio
     assert validations["write"] == 2
 
 
+def _write_call(device, seed, form):
+    """One write of a signature named by ``form`` on fresh tensors (``seed``) into poisoned
+    caches; returns every tensor it writes."""
+    k, v, kc, vc, slots = _write_inputs(device, seed=seed)
+    kc.fill_(0x11)
+    vc.fill_(0x22)
+    s, t = (torch.tensor(x + seed, device=device) for x in (0.5, 0.25))
+    if form == "combined":
+        kv = torch.stack([kc, vc], dim=1)
+        write_kv_combined(k, v, kv, slots, s, t)
+        return [kv]
+    if form == "dynamic":
+        sc = [torch.full((4, 4, 2), -1.0, device=device) for _ in range(2)]
+        write_kv(k, v, kc, vc, slots, key_scale_cache=sc[0], value_scale_cache=sc[1])
+        return [kc, vc, *sc]
+    write_kv(k, v, kc, vc, slots, *{"shared": (s, s), "distinct": (s, t), "host": (0.5, 0.25),
+                                    "none": (None, None)}[form])
+    return [kc, vc]
+
+
+def _dequantize_call(device, seed, form):
+    """One dequantize of a signature named by ``form`` on fresh tensors; returns its outputs."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randint(0, 0x7F, (6, 4, 2, 16), dtype=torch.uint8, generator=g).to(device)
+    table = torch.randint(-1, 6, (2, 3), dtype=torch.int32, generator=g).to(device)
+    s = torch.tensor(0.5 + seed, device=device)
+    if form == "combined":
+        return dequantize_pages_combined(torch.stack([cache, cache.flip(0)], 1), table, s, s,
+                                         dtype=torch.float32)
+    outs = None
+    if form == "out":
+        outs = (torch.full((6, 4, 2, 16), -1.0, device=device),
+                torch.full((6, 4, 2, 16), -2.0, device=device),
+                torch.full((2, 3), -3, dtype=torch.int32, device=device))
+    return dequantize_pages(cache, cache.flip(0), table, s, None, dtype=torch.float32, out=outs)
+
+
+@pytest.mark.parametrize("op, form", [
+    ("write", "shared"), ("write", "distinct"), ("write", "host"), ("write", "none"),
+    ("write", "dynamic"), ("write", "combined"),
+    ("dequantize", "allocating"), ("dequantize", "out"), ("dequantize", "combined")])
+def test_the_last_call_launches_each_calls_own_tensors(device, validations, op, form):
+    """A LastCall hands each call's pointers to the kernel arguments they belong to (a shared
+    scale, a placeholder pointer for no scale, one combined cache read as K and V, new outputs):
+    the bytes equal those of a validated launch of the same inputs."""
+    call = functools.partial(_write_call if op == "write" else _dequantize_call, device, form=form)
+    want = {}
+    for seed in (1, 2):
+        _launch.clear_launch_caches()
+        want[seed] = [bits(t) for t in call(seed=seed) if t is not None]
+    _launch.clear_launch_caches()
+    call(seed=0)
+    call(seed=0)
+    assert op in _launch._LAST
+    _launch._READY.clear()          # only the LastCall can serve without validating
+    before = validations[op]
+    for seed in (1, 2):
+        got = [bits(t) for t in call(seed=seed) if t is not None]
+        for g, w in zip(got, want[seed], strict=True):
+            np.testing.assert_array_equal(g, w)
+    assert validations[op] == before
+
+
+def test_a_shared_scale_then_two_scales(device, validations):
+    """A LastCall made with one scale tensor for K and V does not serve two tensors (nor the
+    reverse): the second scale would be read from the first one's pointer."""
+    for first, then in (("shared", "distinct"), ("distinct", "shared")):
+        _launch.clear_launch_caches()
+        want = [bits(t) for t in _write_call(device, 1, then)]
+        _launch.clear_launch_caches()
+        for _ in range(2):
+            _write_call(device, 0, first)
+        assert "write" in _launch._LAST
+        got = [bits(t) for t in _write_call(device, 1, then)]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
 def test_alternating_signatures_make_no_last_call(device, validations):
     a, b = _write_inputs(device), _write_inputs(device, tokens=5)
     for _ in range(3):
@@ -182,16 +263,34 @@ def test_alternating_signatures_make_no_last_call(device, validations):
     assert "write" not in _launch._LAST and validations["write"] == 2
 
 
+def test_the_launcher_check_knows_triton_3_6():
+    """The launcher source that fp8kv_torch._fast calls past is Triton 3.6's; on another Triton the
+    launch goes through the launcher object (Triton's own runner makes that call)."""
+    triton = pytest.importorskip("triton")
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"the pinned launcher source is Triton 3.6's, this is {triton.__version__}")
+    from triton.backends.nvidia.driver import CudaLauncher
+    assert _fast._launcher_matches(CudaLauncher)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs in the GPU suite)")
-def test_gpu_direct_launches_and_launch_hooks():
-    """Ready launches call Triton's launcher directly on the Triton of the GPU suite, and a
-    registered launch hook (a profiler) still sees every launch."""
+def test_gpu_direct_launches_and_launch_hooks(monkeypatch, validations):
+    """Ready launches call Triton's launcher directly on the Triton of the GPU suite (its C
+    function on Triton 3.6), and a registered launch hook (a profiler) still sees every launch."""
     import triton
     from triton import knobs
     assert _fast._runner_matches(triton.compiler.CompiledKernel)
+    found, c_launch = [], _fast._c_launch
+
+    def recording(run):
+        found.append(c_launch(run))
+        return found[-1]
+
+    monkeypatch.setattr(_fast, "_c_launch", recording)
     args = _write_inputs("cuda")
     for _ in range(3):
         write_kv(*args)
+    assert len(found) == 1 and (found[0] is not None) == triton.__version__.startswith("3.6.")
     seen = []
     hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
