@@ -40,25 +40,34 @@ def jax_triton():
     return jt
 
 
-# A kernel output that the plan leaves unused (SHARED_OUT: V goes through the K output): jax-triton
-# still wants a buffer for it.
+# A kernel output that the plan leaves unused (SHARED_OUT: V goes through the K output; a static
+# scale's output): jax-triton wants a buffer for it unless it is one of the trailing ones.
 _UNUSED_OUTPUT = jax.ShapeDtypeStruct((1,), jnp.uint8)
 
 
 def _launch(kernel, plan, arrays: dict, aliased: tuple[str, ...] = ()):
     """``triton_call`` of ``kernel`` with ``arrays`` by parameter name (outputs as
-    ShapeDtypeStructs); each ``X_out_ptr`` with ``X`` in ``aliased`` reuses input ``X_ptr``."""
+    ShapeDtypeStructs); each ``X_out_ptr`` with ``X`` in ``aliased`` reuses input ``X_ptr``.
+    Returns the outputs in the kernel's order, None for an unused one."""
     call = bind(kernel, plan, arrays)
     inputs, outputs = call.signature.inputs, call.signature.outputs
+    # Trailing outputs that the plan leaves unused (a static write's scale outputs, a combined
+    # write's V output) go to the kernel as None, a constexpr, instead of as buffers: each buffer
+    # costs a jitted call ~3 us of dispatch (bench/NOTES.md item 22). jax-triton gives arrays to
+    # parameters by position, so only a trailing run can go.
+    kept = len(outputs)
+    while call.outputs[kept - 1] is _UNUSED_OUTPUT:
+        kept -= 1
     aliases = {inputs.index(f"{name}_ptr"): outputs.index(f"{name}_out_ptr") for name in aliased}
     # jax-triton types a scalar by its Python type: int -> i32/i64 by value, np.float32 -> fp32
     # (a Python float would become fp64).
     scalars = [np.float32(v) if isinstance(v, float) else int(v) for v in call.scalars]
-    return jax_triton().triton_call(
-        *call.inputs, *scalars, kernel=kernel, out_shape=list(call.outputs), grid=plan.grid,
-        num_warps=plan.num_warps, enable_fp_fusion=plan.enable_fp_fusion,
+    results = jax_triton().triton_call(
+        *call.inputs, *scalars, kernel=kernel, out_shape=list(call.outputs[:kept]),
+        grid=plan.grid, num_warps=plan.num_warps, enable_fp_fusion=plan.enable_fp_fusion,
         input_output_aliases=aliases, name=call.signature.kernel,
-        **call.constexprs)
+        **dict.fromkeys(outputs[kept:]), **call.constexprs)
+    return (*results, *[None] * (len(outputs) - kept))
 
 
 def _like(x):

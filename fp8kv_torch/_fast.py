@@ -1,16 +1,18 @@
-"""Two host-cost savings for repeated eager calls, each on an internal that has no public API.
+"""Host-cost savings for repeated eager calls, each on an internal that has no public API.
 
-* :class:`LastCall`: the signature of an op's last call, checked in C by torch's tensor guards
-  (``torch._C._dynamo.guards.TensorGuards``: dtype, device, sizes, strides and more of every
-  tensor) instead of a metadata key built in Python (~6 us for 7 tensors on an H200 host).
+* :class:`LastCall`: a repeat of an op's last signature is recognised by one of torch's tensor
+  guards (``torch._C._dynamo.guards.TensorGuards``: dtype, device, sizes, strides and more of every
+  tensor, checked in C) instead of a metadata key built in Python (~6 us for 7 tensors on an H200
+  host), and its tensors' pointers go straight into the kernel's arguments.
 * :func:`direct_launcher`: Triton's compiled launcher called as Triton's own runner
   (``CompiledKernel[grid]``) calls it, without the runner's per-call Python (current stream,
-  launch metadata and empty hook chains: ~3-4 us).
+  launch metadata and empty hook chains: ~3-4 us); on Triton 3.6, whose launcher source is pinned
+  here, its C launch function itself (~1.3 us more).
 
-Each is used only where a check made here passes -- a self-test of the guards on this torch, and
-the source of this Triton's runner making exactly the call made here -- and otherwise the
-frontend keeps its public path (a metadata key per call, Triton's runner), which is correct,
-just slower. ``bench/NOTES.md`` item 21 has the numbers.
+Each is used only where a check made here passes -- a self-test of the guards on this torch, the
+source of this Triton's runner making exactly the call made here, the launcher's source being the
+pinned one -- and otherwise the frontend keeps its public path (a metadata key per call, Triton's
+runner), which is correct, just slower. ``bench/NOTES.md`` items 21-22 have the numbers.
 """
 from __future__ import annotations
 

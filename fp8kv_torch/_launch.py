@@ -6,7 +6,8 @@ dict lookup and one launch. Everything that validation or the plan read is in th
 strides, dtypes, devices, 16-byte alignment, scale kinds and values, options), so a call that
 differs in any of them is validated and planned afresh; a call that fails validation is never
 cached, and fails the same way every time. A repeat of an op's last signature (one per layer of a
-step) is recognised before the key is built, by a check in C (:class:`fp8kv_torch._fast.LastCall`).
+step) is recognised before the key is built, by a check in C (:class:`fp8kv_torch._fast.LastCall`),
+which hands the call's pointers straight to the kernel.
 """
 from __future__ import annotations
 
@@ -66,8 +67,9 @@ def _operand_index(names: tuple, param: str) -> int:
 class _ReadyLaunch:
     """A kernel bound to its grid, scalars and constexprs: one launch per call.
 
-    On CUDA ``runner`` is the launcher of the compiled kernel (:func:`fp8kv_torch._fast.direct_launcher`,
-    or ``CompiledKernel[grid]``, the public entry point Triton returns from a launch), which skips
+    On CUDA ``runner`` is the launcher of the compiled kernel
+    (:func:`fp8kv_torch._fast.direct_launcher`, or ``CompiledKernel[grid]``, the public entry
+    point Triton returns from a launch), which skips
     ``kernel[grid](...)``'s per-call argument binding and specialization (~10 us), and takes
     pointers as ints; under the interpreter, the interpreted kernel, which takes the tensors.
     The kernel's arguments are the operands' values, the scalars and the constexprs, in the order
@@ -216,8 +218,8 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
     plan = plan_write(args, backend, exact)
     if plan.empty or not launch:
         return
-    _launch(ops._write_kv_kernel, plan, backend, key.device, WRITE_OPERANDS, _write_operands(*passed),
-            ready_key)
+    _launch(ops._write_kv_kernel, plan, backend, key.device, WRITE_OPERANDS,
+            _write_operands(*passed), ready_key)
 
 
 WRITE_OPERANDS = ("key", "value", "key_cache", "value_cache", "slot", "key_scale", "value_scale")

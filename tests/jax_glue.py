@@ -63,6 +63,10 @@ def interpreted_triton_call(*args, kernel, out_shape, grid, num_warps, enable_fp
     assert name == kernel.fn.__name__ and enable_fp_fusion is False
     for i, o in input_output_aliases.items():
         assert (arrays[i].shape, arrays[i].dtype) == (out_shape[o].shape, out_shape[o].dtype)
+    # jax-triton gives arrays, scalars and outputs to the kernel's first parameters by position and
+    # keywords by name: a keyword (a constexpr, or None for an unused output) must come after them.
+    positional = len(args) + len(out_shape)
+    assert all(kernel.arg_names.index(k) >= positional for k in constexprs), "keyword too early"
 
     def run(*host):
         inputs = [np.array(a, order="C", copy=True) for a in host]  # callback arrays are read-only
