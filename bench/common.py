@@ -42,7 +42,7 @@ class Config:
     max_sets: int = 10          # input sets to rotate through (1 on the CPU: nothing to flush there)
     # Eager-call tables (bench.eager, and the call tables of bench.jax_tables).
     eager_cache_pages: int = 4096           # pages of 16 x 8 heads x 128 per K or V cache
-    eager_dequant_shapes: tuple[tuple[int, int], ...] = ((1, 4), (1, 64), (4, 256))
+    eager_dequant_shapes: tuple[tuple[int, int], ...] = ((1, 4), (1, 64), (1, 256), (4, 256))
     eager_write_tokens: tuple[int, ...] = (1, 32)
     eager_warmup: int = 20      # untimed calls before the timed ones
     eager_calls: int = 300      # back-to-back calls per timed repetition

@@ -185,8 +185,8 @@ def _launcher_matches(launcher_class) -> bool:
 
 
 def _c_launch(run):
-    """``run``'s C launch function and its two flags, where calling it as ``run`` would is all
-    ``run`` does for this kernel; else None."""
+    """``run``'s C launch function and its two launch flags, where calling that function is all
+    that ``run`` would do for this kernel (the pinned source, no scratch buffers); else None."""
     if (not _launcher_matches(type(run)) or getattr(run, "global_scratch_size", 1)
             or getattr(run, "profile_scratch_size", 1)):
         return None
