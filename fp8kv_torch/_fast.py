@@ -77,7 +77,7 @@ class LastCall:
     """
 
     __slots__ = ("options", "types", "others_of", "others", "tensors_of", "alias_of", "source_of",
-                 "guard", "check", "device", "value_of", "new_of", "launch", "outputs_spec")
+                 "guard", "check", "device", "pointers", "new_of", "launch", "outputs_spec")
 
     @classmethod
     def make(cls, args: tuple, options, ready, operands_of, new_outputs=()) -> "LastCall | None":
@@ -116,7 +116,7 @@ class LastCall:
         make, last.check = guard
         last.guard = make([args[i] for i, _ in distinct])
         last.device = tensors[0].get_device() if tensors[0].is_cuda else None
-        last.value_of = torch.Tensor.data_ptr if ready.pointers else (lambda t: t)
+        last.pointers = ready.pointers
         last.new_of = _getter([k for k, o in enumerate(outs or ()) if o is not None])
         select, consts, runner = ready.selector(positions, len(places)), ready.consts, ready.runner
         last.launch = lambda values: runner(*select(values + consts))
@@ -137,11 +137,12 @@ class LastCall:
         pointers = tuple(map(torch.Tensor.data_ptr, tensors))
         if functools.reduce(operator.or_, pointers) & 15:
             return None
-        return pointers if self.value_of is torch.Tensor.data_ptr else tensors
+        return pointers if self.pointers else tensors
 
     def new_values(self, outs: tuple) -> tuple:
         """The values of an allocating call's new outputs, to append to :meth:`match`'s."""
-        return tuple(map(self.value_of, self.new_of(outs)))
+        outs = self.new_of(outs)
+        return tuple(map(torch.Tensor.data_ptr, outs)) if self.pointers else outs
 
 
 def _misaligned(tensors) -> bool:

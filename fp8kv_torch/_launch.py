@@ -136,7 +136,7 @@ def _remember(op: str, key, args: tuple, options, ready, allocating: bool) -> No
     if _PREVIOUS_KEY.get(op) != key:
         _PREVIOUS_KEY[op] = key
         return
-    new_outputs = (True, not ready.outputs_spec[2], True) if allocating else ()
+    new_outputs = _allocated(ready.outputs_spec) if allocating else ()
     last = _fast.LastCall.make(args, options, ready, _OPERANDS_OF[op], new_outputs)
     if last is None:
         _LAST.pop(op, None)
@@ -272,6 +272,11 @@ def _allocate(spec, device) -> tuple:
     key_out = torch.empty(shape, dtype=dtype, device=device)
     value_out = None if combined else torch.empty(shape, dtype=dtype, device=device)
     return key_out, value_out, torch.empty(table_shape, dtype=torch.int32, device=device)
+
+
+def _allocated(spec) -> tuple:
+    """Which of :func:`_allocate`'s outputs exist for ``spec`` (no value output when combined)."""
+    return True, not spec[2], True
 
 
 def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
