@@ -30,7 +30,8 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from . import accuracy, dequant, dynamic, eager, jax_tables, sweep, write_torch  # noqa: E402
+from . import (accuracy, dequant, dynamic, eager, jax_profile, jax_tables, sweep,  # noqa: E402
+               write_torch)
 from .common import Timer, copy_bandwidth, free_memory, make_config  # noqa: E402
 from .plot import plot_table  # noqa: E402
 from .results import Table, markdown, write_csv  # noqa: E402
@@ -249,7 +250,8 @@ def _jax_phase(args, cfg, copy_gbps, cuda, report: Report) -> None:
         jax, fp8kv_jax = loaded
         if "jax" in args.only:
             builds = [jax_tables.table_write_jax, jax_tables.table_write_jax_calls,
-                      jax_tables.tables_write_jax_cache, jax_tables.table_dequant_jax_calls]
+                      jax_tables.tables_write_jax_cache, jax_tables.table_dequant_jax_calls,
+                      jax_profile.table_jax_call_phases]
             for build in builds:
                 try:
                     made = build(jax, fp8kv_jax, cfg, copy_gbps, cuda)

@@ -1,9 +1,11 @@
 """JAX tables: ``fp8kv_jax.write_kv`` against a jitted XLA scatter, and dequantize rows.
 
 Tables: ``write_jax`` (per jitted call and inside a jitted ``fori_loop``), ``write_jax_calls``
-(eager jitted calls, synced and pipelined), ``write_jax_cache_<tokens>`` (the same calls with
-caches of growing size) and ``dequant_jax_calls`` (eager jitted dequantize against an XLA gather);
-the ``dequant`` table gets fp8kv-jax rows.
+(eager jitted calls, synced and pipelined, beside two floors: XLA's cheapest call and an empty
+jax-triton kernel), ``write_jax_cache_<tokens>`` (the same calls with caches of growing size) and
+``dequant_jax_calls`` (eager jitted dequantize against an XLA gather); the ``dequant`` table gets
+fp8kv-jax rows. The eager-call tables time every provider (and size) of a table's row in the same
+rounds. ``bench.jax_profile`` splits synced calls into phases.
 
 They run after every torch table: importing jax_triton 0.3.1 sets ``TRITON_CACHE_DIR`` to "", which
 breaks later torch-side Triton launches in the same process ; the variable is restored
@@ -226,56 +228,109 @@ def add_dequant_rows(jax, fp8kv_jax, cfg: Config, table: Table) -> None:
 # ---------------------------------------------------------------------------------------------
 # Eager-call tables: one jitted call at a time, as a serving loop makes them.
 
-def _calls_us(jax, step, state, cfg: Config, synced: bool):
-    """Wall time per call of ``state = step(state)``, and the last state.
+def _interleaved_us(jax, steps: dict, cfg: Config, synced: bool) -> dict:
+    """Wall time per call of each provider's ``state = step(state)``, measured in alternation.
 
-    ``cfg.eager_warmup`` untimed calls, then ``cfg.eager_reps`` repetitions of ``cfg.eager_calls``
-    calls; the median repetition divided by its calls. ``synced``: ``block_until_ready`` after
-    every call (dispatch and device time add up); otherwise back-to-back calls and one
-    ``block_until_ready`` at the end (dispatch of the next call overlaps this one's device work).
+    ``steps``: provider -> ``[step, state]`` (the state is updated in place: the jitted functions
+    donate it). ``cfg.eager_warmup`` untimed calls each, then ``cfg.eager_reps`` rounds, each
+    timing ``cfg.eager_calls`` calls of every provider in turn (the order reversed every other
+    round); per provider the median round divided by its calls. A host whose load changes
+    between rounds then moves every provider alike: timed one after the other, two providers'
+    numbers differed by up to 30 us from that alone (``bench/NOTES.md`` item 23). ``synced``:
+    ``block_until_ready`` after every call (dispatch and device time add up); otherwise
+    back-to-back calls and one ``block_until_ready`` at the end (dispatch of the next call
+    overlaps this one's device work).
     """
-    for _ in range(cfg.eager_warmup):
-        state = jax.block_until_ready(step(state))
-    samples = []
-    for _ in range(cfg.eager_reps):
-        start = time.perf_counter()
-        if synced:
-            for _ in range(cfg.eager_calls):
-                state = jax.block_until_ready(step(state))
-        else:
-            for _ in range(cfg.eager_calls):
-                state = step(state)
-            state = jax.block_until_ready(state)
-        samples.append((time.perf_counter() - start) / cfg.eager_calls)
-    return statistics.median(samples) * 1e6, state
+    for entry in steps.values():
+        for _ in range(cfg.eager_warmup):
+            entry[1] = jax.block_until_ready(entry[0](entry[1]))
+    samples = {name: [] for name in steps}
+    order = list(steps)
+    for round_ in range(cfg.eager_reps):
+        for name in order if round_ % 2 == 0 else order[::-1]:
+            step, state = steps[name]
+            start = time.perf_counter()
+            if synced:
+                for _ in range(cfg.eager_calls):
+                    state = jax.block_until_ready(step(state))
+            else:
+                for _ in range(cfg.eager_calls):
+                    state = step(state)
+                state = jax.block_until_ready(state)
+            samples[name].append((time.perf_counter() - start) / cfg.eager_calls)
+            steps[name][1] = state
+    return {name: statistics.median(t) * 1e6 for name, t in samples.items()}
 
 
 CALL_MODES = (("synced", True), ("pipelined", False))
 
 
 def _calls_description(cfg: Config) -> str:
-    return (f"Per call: {cfg.eager_warmup} warm-up calls, then {cfg.eager_reps} repetitions of "
-            f"{cfg.eager_calls} calls, median. `synced`: `block_until_ready` after every call; "
-            "`pipelined`: back-to-back calls, one `block_until_ready` at the end. ")
+    return (f"Per call: {cfg.eager_warmup} warm-up calls, then {cfg.eager_reps} rounds, each "
+            f"timing {cfg.eager_calls} calls of every provider in turn; the median round. "
+            "`synced`: `block_until_ready` after every call; `pipelined`: back-to-back calls, "
+            "one `block_until_ready` at the end. ")
 
 
-def _write_rows(jax, fp8kv_jax, cfg: Config, table: Table, name: str, size: int, tokens: int,
-                num_pages: int, cuda: bool, copy_gbps: float) -> bool | None:
-    """Time both writers (jitted, caches donated) in both call modes and add their rows.
+def _add_call_rows(jax, table: Table, steps: dict, nbytes: int, cfg: Config) -> None:
+    """Time ``steps`` (``(case, size, provider)`` -> ``[step, state]``) in both call modes, in
+    alternation, and add their rows."""
+    for mode, synced in CALL_MODES:
+        try:
+            for (case, size, provider), us in _interleaved_us(jax, steps, cfg, synced).items():
+                table.add(case, size, provider, mode, us, 0 if provider in FLOORS else nbytes)
+        except Exception as e:  # report and go on: the other cases still count
+            cases = sorted({str(case) for case, _, _ in steps})
+            table.note(f"{mode} calls at {', '.join(cases)} failed: {type(e).__name__}: {e}")
 
-    Returns whether they wrote the same bytes at the slots (None when one of them failed).
-    """
+
+FLOOR_XLA, FLOOR_TRITON = "floor: xla x+1", "floor: empty jax-triton"
+FLOORS = (FLOOR_XLA, FLOOR_TRITON)   # rows without bytes
+
+
+@triton.jit
+def _empty_kernel(x_ptr, out_ptr):
+    pass
+
+
+def floor_steps(jax, cuda: bool) -> tuple[dict, str | None]:
+    """The floors of a jitted call, as ``steps`` for :func:`_interleaved_us`: XLA's own
+    ``x + 1`` on 16 floats and an empty jax-triton kernel (a custom call, as fp8kv's), each
+    updating a donated 16-float buffer. Returns them and a note (why one is missing, or None)."""
     import jax.numpy as jnp
 
-    row = HEADS * HEAD_DIM
+    steps = {FLOOR_XLA: [jax.jit(lambda x: x + 1, donate_argnums=(0,)),
+                         jnp.zeros(16, jnp.float32)]}
+    if not cuda:
+        return steps, "The empty jax-triton kernel floor needs a GPU."
+    try:
+        from fp8kv_jax._triton import jax_triton
+
+        def empty(x):
+            return jax_triton().triton_call(
+                x, kernel=_empty_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                grid=(1,), input_output_aliases={0: 0})
+
+        steps[FLOOR_TRITON] = [jax.jit(empty, donate_argnums=(0,)), jnp.zeros(16, jnp.float32)]
+    except Exception as e:
+        return steps, f"No empty jax-triton kernel floor: {type(e).__name__}: {e}"
+    return steps, None
+
+
+def write_steps(jax, fp8kv_jax, table: Table, case: str, size: int, tokens: int,
+                 num_pages: int) -> tuple[dict, bool | None]:
+    """Both writers (jitted, caches donated) ready to time: ``(case, size, provider)`` ->
+    ``[step, caches]``; and whether they wrote the same bytes at the slots (None when one of
+    them failed)."""
+    import jax.numpy as jnp
+
     rk, rv, rs = jax.random.split(jax.random.key(tokens), 3)
     key = jax.random.normal(rk, (tokens, HEADS, HEAD_DIM), jnp.bfloat16)
     value = jax.random.normal(rv, (tokens, HEADS, HEAD_DIM), jnp.bfloat16)
     slots = jax.random.permutation(rs, num_pages * PAGE_SIZE)[:tokens].astype(jnp.int32)
     scale = jnp.asarray(SCALE, jnp.float32)
-    nbytes = tokens * row * (2 * 2 + 2) + tokens * 4
     shape = (num_pages, PAGE_SIZE, HEADS, HEAD_DIM)
-    written = []
+    written, steps = [], {}
     for provider, write in (("fp8kv-jax", fp8kv_jax.write_kv), ("xla-scatter", xla_write)):
         try:
             call = jax.jit(write, donate_argnums=(2, 3))
@@ -284,19 +339,18 @@ def _write_rows(jax, fp8kv_jax, cfg: Config, table: Table, name: str, size: int,
             # Only the written rows are kept for the comparison: the caches may be GiBs.
             written.append([jax.lax.bitcast_convert_type(c.reshape(-1, HEADS, HEAD_DIM)[slots],
                                                          jnp.uint8) for c in caches])
-            for mode, synced in CALL_MODES:
-                us, caches = _calls_us(
-                    jax, lambda c: tuple(call(key, value, *c, slots, scale, scale)), caches, cfg,
-                    synced)
-                table.add(name, size, provider, mode, us, nbytes)
-            del caches
+            steps[case, size, provider] = [
+                lambda c, call=call: tuple(call(key, value, *c, slots, scale, scale)), caches]
         except Exception as e:  # report and go on: the other provider and sizes still count
-            table.note(f"{provider} at {name} failed: {type(e).__name__}: {e}")
-    if cuda:
-        table.add_roofline(name, size, nbytes, copy_gbps)
+            table.note(f"{provider} at {case} failed: {type(e).__name__}: {e}")
     if len(written) != 2:
-        return None
-    return all(bool((a == b).all()) for a, b in zip(*written))
+        return steps, None
+    return steps, all(bool((a == b).all()) for a, b in zip(*written))
+
+
+def _write_bytes(tokens: int) -> int:
+    """K and V read (bf16), written (fp8), slots read."""
+    return tokens * HEADS * HEAD_DIM * (2 * 2 + 2) + tokens * 4
 
 
 def table_write_jax_calls(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool) -> Table:
@@ -308,15 +362,27 @@ def table_write_jax_calls(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: b
         " `xla-scatter`: the same jit of `x.astype(f32) / s`, clip, cast, "
         f"`cache.at[page, off].set(q)`. Caches {pages} pages x {PAGE_SIZE} x {HEADS} heads x "
         f"{HEAD_DIM} e4m3 each, bf16 K/V, int32 random distinct slots, device scale. "
+        f"Floors, timed in every row's rounds: `{FLOOR_XLA}` (a jitted, donated `x + 1` on 16 "
+        f"floats: XLA's own cheapest call) and `{FLOOR_TRITON}` (the same through an empty "
+        "jax-triton kernel: a custom call, as fp8kv's). "
         + _calls_description(cfg) + "Bytes: K and V read, fp8 written, slots read.",
         xlabel="tokens written per call")
+    floors, floor_note = floor_steps(jax, cuda)
+    if floor_note:
+        table.note(floor_note)
     mismatched = []
     for tokens in cfg.jax_call_tokens:
         if tokens > pages * PAGE_SIZE:
             table.note(f"{tokens} tokens skipped: more than the cache's {pages * PAGE_SIZE} slots")
             continue
-        same = _write_rows(jax, fp8kv_jax, cfg, table, tokens_case(tokens), tokens, tokens, pages,
-                           cuda, copy_gbps)
+        case = tokens_case(tokens)
+        steps, same = write_steps(jax, fp8kv_jax, table, case, tokens, tokens, pages)
+        # The floors in every row, timed in the same rounds: the row's own reference.
+        steps.update({(case, tokens, floor): step for floor, step in floors.items()})
+        _add_call_rows(jax, table, steps, _write_bytes(tokens), cfg)
+        del steps
+        if cuda:
+            table.add_roofline(case, tokens, _write_bytes(tokens), copy_gbps)
         if same is False:
             mismatched.append(tokens)
     if mismatched:
@@ -364,24 +430,32 @@ def tables_write_jax_cache(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: 
             "instead of updating the donated buffer would grow with the size. "
             + _calls_description(cfg),
             xlabel="K and V cache size, each (MiB)")
-        mismatched = []
+        mismatched, steps = [], {}
         for cache_bytes in cfg.jax_cache_bytes:
             num_pages = cache_bytes // (PAGE_SIZE * row)
             label = f"{_mib(cache_bytes)} caches"
             if tokens > num_pages * PAGE_SIZE:
                 table.note(f"{label} skipped: {num_pages * PAGE_SIZE} slots, fewer than {tokens}")
                 continue
-            # K and V, room for a copy of both (a donation that does not happen), the inputs.
-            need = 4 * cache_bytes + 2 * tokens * row * 2 + 256 * (1 << 20)
+            # K and V of both writers, room for a copy of both (a donation that does not
+            # happen), the inputs; the smaller sizes' caches are already allocated.
+            need = 6 * cache_bytes + 2 * tokens * row * 2 + 256 * (1 << 20)
             available = _available_bytes(jax, cuda)
             if available is not None and need > available:
                 table.note(f"{label} skipped: needs about {need / 2**30:.1f} GiB, "
                            f"{available / 2**30:.1f} GiB free")
                 continue
-            same = _write_rows(jax, fp8kv_jax, cfg, table, label, cache_bytes >> 20, tokens,
-                               num_pages, cuda, copy_gbps)
+            made, same = write_steps(jax, fp8kv_jax, table, label, cache_bytes >> 20, tokens,
+                                      num_pages)
+            steps.update(made)
             if same is False:
                 mismatched.append(label)
+        # Every size in the same rounds: a growth with the size cannot come from the host.
+        _add_call_rows(jax, table, steps, _write_bytes(tokens), cfg)
+        if cuda:
+            for label, size in sorted({(case, size) for case, size, _ in steps}):
+                table.add_roofline(label, size, _write_bytes(tokens), copy_gbps)
+        del steps
         if mismatched:
             table.note(f"fp8kv-jax and xla-scatter wrote DIFFERENT bytes with {mismatched}")
         else:
@@ -427,17 +501,17 @@ def table_dequant_jax_calls(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda:
         args = (key_cache, value_cache, block_table, jnp.asarray(SCALE, jnp.float32),
                 jnp.asarray(2 * SCALE, jnp.float32))
         nbytes = dequant_bytes(entries)
-        outputs = []
+        outputs, steps = [], {}
         for provider, fn in (("fp8kv-jax", fp8kv_jax.dequantize_pages),
                              ("xla-gather", xla_dequant)):
             try:
                 call = jax.jit(fn)
                 outputs.append(jax.block_until_ready(tuple(call(*args))))
-                for mode, synced in CALL_MODES:
-                    us, _ = _calls_us(jax, lambda _: call(*args), None, cfg, synced)
-                    table.add(name, entries, provider, mode, us, nbytes)
+                steps[name, entries, provider] = [lambda _, call=call: call(*args), None]
             except Exception as e:
                 table.note(f"{provider} at {name} failed: {type(e).__name__}: {e}")
+        _add_call_rows(jax, table, steps, nbytes, cfg)
+        del steps
         if len(outputs) == 2 and not all(_bytes_equal(jax, a, b) for a, b in zip(*outputs)):
             mismatched.append(name)
         del outputs, args, key_cache, value_cache

@@ -38,7 +38,8 @@ def plot_table(table: Table, copy_gbps: float, path: Path) -> None:
             style = dict(linestyle=":", color="black") if rows[0].provider == "roofline" else {}
             xs = [r.size for r in rows]
             ax_t.plot(xs, [r.time_us for r in rows], marker="o", label=label, **style)
-            ax_b.plot(xs, [r.gbps for r in rows], marker="o", label=label, **style)
+            if rows[0].nbytes:   # a floor moves no bytes: time only
+                ax_b.plot(xs, [r.gbps for r in rows], marker="o", label=label, **style)
         ax_t.set(xscale="log", yscale="log", xlabel=table.xlabel, ylabel="time per call (us)",
                  title="latency")
         ax_b.set(xscale="log", xlabel=table.xlabel, ylabel="GB/s (minimal bytes)",
@@ -46,6 +47,7 @@ def plot_table(table: Table, copy_gbps: float, path: Path) -> None:
         _copy_line(ax_b, copy_gbps)
         for ax in (ax_t, ax_b):
             ax.grid(True, which="both", alpha=0.3)
+        ax_t.legend(fontsize=8)
         ax_b.legend(fontsize=8)
     elif table.plot == "time":
         fig, ax_b = _time_bars(table)

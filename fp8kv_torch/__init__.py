@@ -149,7 +149,7 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
         raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
     outs = None
     if out is not None:
-        outs = list(out)
+        outs = tuple(out)
         if len(outs) != (2 if combined else 3):
             names = ("(kv_pages, new_block_table)" if combined
                      else "(key_pages, value_pages, new_block_table)")
@@ -157,7 +157,7 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
         if isinstance(outs[0], torch.Tensor) and outs[0].dtype != dtype:
             raise TypeError(f"out[0]: expected dtype {dtype} (the dtype argument), got {outs[0].dtype}")
         if combined:
-            outs.insert(1, None)
+            outs = (outs[0], None, outs[1])
     if torch.compiler.is_compiling():
         if check_bounds:
             _launch.host_values(block_table, "block_table")   # raises: no host reads when compiled
@@ -176,7 +176,7 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
                                         key_scale_cache=key_scale_cache,
                                         value_scale_cache=value_scale_cache, head_dim=head_dim,
                                         check_bounds=check_bounds)
-    return tuple(o for o in outs if o is not None)
+    return outs if outs[1] is not None else (outs[0], outs[2])   # no value output: combined
 
 
 def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor,

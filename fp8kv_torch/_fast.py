@@ -77,7 +77,7 @@ class LastCall:
     """
 
     __slots__ = ("options", "types", "others_of", "others", "tensors_of", "alias_of", "source_of",
-                 "guard", "check", "device", "pointers", "new_of", "launch", "outputs_spec")
+                 "guard", "check", "device", "pointers", "new_of", "launch", "new_outputs")
 
     @classmethod
     def make(cls, args: tuple, options, ready, operands_of, new_outputs=()) -> "LastCall | None":
@@ -107,7 +107,7 @@ class LastCall:
                      for op in operands_of(tuple(stand), outs)]
         last = cls()
         last.options, last.types = options, tuple(map(type, args))
-        last.outputs_spec = ready.outputs_spec
+        last.new_outputs = ready.new_outputs
         last.others_of = _getter([i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)])
         last.others = last.others_of(args)
         last.tensors_of = _getter([i for i, _ in distinct])

@@ -77,12 +77,12 @@ class _ReadyLaunch:
     """
 
     __slots__ = ("runner", "pointers", "inputs", "outputs", "scalars", "consts", "select",
-                 "outputs_spec")
+                 "new_outputs")
 
     def __init__(self, kernel, launched, call: BoundCall, plan: LaunchPlan, backend: str,
-                 names: tuple, device: torch.device, outputs_spec=None):
+                 names: tuple, device: torch.device, new_outputs=None):
         """``names``: the parameter name of each operand, in the order the op passes them."""
-        self.outputs_spec = outputs_spec  # what an allocating call allocates
+        self.new_outputs = new_outputs  # an allocating call's _NewOutputs
         sig = call.signature
         self.inputs = [_operand_index(names, n) for n in sig.inputs]
         self.outputs = [_operand_index(names, n) for n in sig.outputs]
@@ -136,7 +136,7 @@ def _remember(op: str, key, args: tuple, options, ready, allocating: bool) -> No
     if _PREVIOUS_KEY.get(op) != key:
         _PREVIOUS_KEY[op] = key
         return
-    new_outputs = _allocated(ready.outputs_spec) if allocating else ()
+    new_outputs = ready.new_outputs.exists if allocating else ()
     last = _fast.LastCall.make(args, options, ready, _OPERANDS_OF[op], new_outputs)
     if last is None:
         _LAST.pop(op, None)
@@ -167,7 +167,7 @@ def _find_ready(op: str, tensors, options, allocating: bool = False):
 
 
 def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, names: tuple,
-            operands: tuple, ready_key=None, outputs_spec=None) -> None:
+            operands: tuple, ready_key=None, new_outputs=None) -> None:
     """Launch through Triton's own entry point; keep it ready under ``ready_key``.
 
     ``operands``: the kernel's arrays, each named by ``names`` (a parameter name)."""
@@ -185,7 +185,7 @@ def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, names:
         if len(_READY) >= _READY_LIMIT:
             _READY.clear()
         _READY[ready_key] = _ReadyLaunch(kernel, launched, call, plan, backend, names, device,
-                                         outputs_spec)
+                                         new_outputs)
         _PREVIOUS_KEY[ready_key[0]] = ready_key   # a repeat may make it the op's LastCall
 
 
@@ -265,18 +265,53 @@ _OPERANDS_OF = {"write": lambda args, outs: _write_operands(*args),
                 "dequantize": _dequantize_operands_of}
 
 
-def _allocate(spec, device) -> tuple:
-    """``(key_out, value_out or None, table_out)`` from ``(pages shape, dtype, combined, table
-    shape)``."""
-    shape, dtype, combined, table_shape = spec
-    key_out = torch.empty(shape, dtype=dtype, device=device)
-    value_out = None if combined else torch.empty(shape, dtype=dtype, device=device)
-    return key_out, value_out, torch.empty(table_shape, dtype=torch.int32, device=device)
+@functools.cache
+def _one_element(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty((), dtype=dtype, device=device)
 
 
-def _allocated(spec) -> tuple:
-    """Which of :func:`_allocate`'s outputs exist for ``spec`` (no value output when combined)."""
-    return True, not spec[2], True
+def _empty_maker(shape: tuple, dtype: torch.dtype, device: torch.device):
+    """``() -> a new contiguous tensor`` of ``shape``, ``dtype`` on ``device``.
+
+    ``torch.empty_like`` of a template parses one argument where ``torch.empty(shape, dtype=,
+    device=)`` parses three: ~1.3 us less per tensor on an H200 host (``bench/NOTES.md`` item
+    23). The template is one element expanded to ``shape`` (no memory of its own); it is used
+    only where the tensor it makes has the very shape, strides, dtype and device that
+    ``torch.empty`` gives (checked here, once per signature).
+    """
+    template = _one_element(dtype, device).expand(shape)
+    made, plain = torch.empty_like(template), torch.empty(shape, dtype=dtype, device=device)
+    if _layout_of(made) == _layout_of(plain):
+        return functools.partial(torch.empty_like, template)
+    return functools.partial(torch.empty, shape, dtype=dtype, device=device)
+
+
+def _layout_of(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device, t.requires_grad
+
+
+class _NewOutputs:
+    """An allocating dequantize's outputs for one signature: ``make()`` returns new
+    ``(key_out, value_out or None, table_out)`` (no value output for a combined cache), each a
+    tensor of its own; ``exists`` says which of the three there are. ``templates=False``: plain
+    ``torch.empty`` (while torch.compile traces with fake tensors, none of which may be kept)."""
+
+    __slots__ = ("make", "exists")
+
+    def __init__(self, pages_shape: tuple, dtype: torch.dtype, combined: bool,
+                 table_shape: tuple, device: torch.device, templates: bool = True):
+        maker = _empty_maker if templates else (
+            lambda shape, dtype, device: functools.partial(torch.empty, shape, dtype=dtype,
+                                                           device=device))
+        pages = maker(pages_shape, dtype, device)
+        table = maker(table_shape, torch.int32, device)
+        self.make = (lambda: (pages(), None, table())) if combined else (
+            lambda: (pages(), pages(), table()))
+        self.exists = (True, not combined, True)
+
+
+# Per signature; bounded like _READY, whose launches keep theirs.
+_new_outputs = functools.lru_cache(maxsize=256)(_NewOutputs)
 
 
 def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
@@ -298,13 +333,13 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
         last = _LAST.get("dequantize")
         if last is not None and (values := last.match(passed, options)) is not None:
             if allocating:
-                outs = _allocate(last.outputs_spec, key_cache.device)
+                outs = last.new_outputs.make()
                 values += last.new_values(outs)
             last.launch(values)
             return outs
         ready_key, ready = _find_ready("dequantize", passed, options, allocating)
         if ready is not None:
-            outs = outs or _allocate(ready.outputs_spec, key_cache.device)
+            outs = outs or ready.new_outputs.make()
             ready.launch(_dequantize_operands_of(passed, outs))
             return outs
     combined = value_cache is None
@@ -316,17 +351,21 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     if check_bounds:
         check_table_in_range(host_values(block_table, "block_table"), args.key_cache.num_pages,
                              null_page)
-    spec = (dequantized_shape(args, combined), dtype, combined, (args.batch, args.pages_per_seq))
+    shape, table_shape = dequantized_shape(args, combined), (args.batch, args.pages_per_seq)
+    new_outputs = None
     if outs is None:
-        outs = _allocate(spec, key_cache.device)
+        new_outputs = (_new_outputs(shape, dtype, combined, table_shape, key_cache.device)
+                       if launch else _NewOutputs(shape, dtype, combined, table_shape,
+                                                  key_cache.device, templates=False))
+        outs = new_outputs.make()
     key_out, value_out, table_out = outs
     device = str(key_cache.device)
     key_info = info(key_out, "out[0]")
     value_info = None if combined else info(value_out, "out[1]")
-    check_out(key_info, "out[0]", spec[0], args.out_dtype, device)
+    check_out(key_info, "out[0]", shape, args.out_dtype, device)
     if not combined:
-        check_out(value_info, "out[1]", spec[0], args.out_dtype, device)
-    check_out(info(table_out, "out[-1]"), "out[-1]", spec[3], "int32", device)
+        check_out(value_info, "out[1]", shape, args.out_dtype, device)
+    check_out(info(table_out, "out[-1]"), "out[-1]", table_shape, "int32", device)
     if not table_out.is_contiguous():
         raise ValueError("out[-1]: expected a contiguous new_block_table")
     backend = _backend(key_cache, "key_cache")
@@ -336,5 +375,5 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     _launch(ops._dequantize_pages_kernel, plan, backend, key_cache.device, DEQUANTIZE_OPERANDS,
             _dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale, outs,
                                  key_scale_cache, value_scale_cache),
-            ready_key, spec)
+            ready_key, new_outputs)
     return outs

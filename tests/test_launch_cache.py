@@ -138,7 +138,9 @@ def test_dequantize_cache(device, validations, allocating):
                                 0.5, dtype="float32")
     outs = None if allocating else tuple(torch.empty_like(torch.from_numpy(w)).to(device) for w in want)
     for _ in range(3):
-        got = dequantize_pages(cache, cache, table, 0.5, 0.5, dtype=torch.float32, out=outs)
+        got = dequantize_pages(cache, cache, table, 0.5, 0.5, dtype=torch.float32,
+                               out=None if outs is None else list(outs))
+        assert type(got) is tuple
         for g, w in zip(got, want):
             np.testing.assert_array_equal(bits(g), np.asarray(w).view(bits(g).dtype))
         assert allocating or all(g is o for g, o in zip(got, outs))
@@ -238,6 +240,45 @@ def test_the_last_call_launches_each_calls_own_tensors(device, validations, op, 
         for g, w in zip(got, want[seed], strict=True):
             np.testing.assert_array_equal(g, w)
     assert validations[op] == before
+
+
+@pytest.mark.parametrize("batch, pages_per_seq", [(2, 3), (1, 1)], ids=["2x3", "1x1"])
+def test_allocating_calls_return_new_tensors_of_their_own(device, validations, batch,
+                                                          pages_per_seq):
+    """Every allocating call -- validated, served by its key, served by the LastCall -- returns
+    new contiguous outputs laid out as ``torch.empty`` lays them out, none sharing memory with
+    another output of the call or of an earlier call still alive. (A 1 x 1 table is a shape whose
+    template-made tensor would get other strides: there ``torch.empty`` makes it.)"""
+    cache = torch.randint(0, 0x7F, (6, 4, 2, 16), dtype=torch.uint8, device=device)
+    table = torch.randint(-1, 6, (batch, pages_per_seq), dtype=torch.int32, device=device)
+    want = [bits(t) for t in dequantize_pages(cache, cache.flip(0), table, 0.5, 0.25,
+                                              dtype=torch.bfloat16)]
+    _launch.clear_launch_caches()
+    before, kept = validations["dequantize"], []
+    for i in range(4):   # validated; by the key (which makes the LastCall); the LastCall twice
+        outs = dequantize_pages(cache, cache.flip(0), table, 0.5, 0.25, dtype=torch.bfloat16)
+        assert ("dequantize" in _launch._LAST) == (i >= 1)
+        for got, w, like in zip(outs, want, ((batch * pages_per_seq, 4, 2, 16),) * 2 + (
+                (batch, pages_per_seq),), strict=True):
+            plain = torch.empty(like, dtype=got.dtype, device=device)
+            assert (got.shape, got.stride(), got.device) == (plain.shape, plain.stride(),
+                                                             plain.device)
+            np.testing.assert_array_equal(bits(got), w)
+        kept += outs
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in kept)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert validations["dequantize"] == before + 1
+
+
+def test_template_outputs_are_laid_out_as_torch_empty(device):
+    """``_empty_maker`` uses a template only where its tensor has torch.empty's layout: for
+    empty and all-ones shapes (other strides from a template) it makes them with torch.empty."""
+    for shape, dtype in (((6, 4, 2, 16), torch.bfloat16), ((5, 2, 4, 2, 128), torch.float16),
+                         ((2, 3), torch.int32), ((1, 1), torch.int32), ((0, 4, 2, 16), torch.bfloat16),
+                         ((1, 1, 1, 1), torch.float32)):
+        made = _launch._empty_maker(shape, dtype, torch.device(device))()
+        plain = torch.empty(shape, dtype=dtype, device=device)
+        assert _launch._layout_of(made) == _launch._layout_of(plain), shape
 
 
 def test_a_shared_scale_then_two_scales(device, validations):
