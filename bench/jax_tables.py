@@ -70,6 +70,11 @@ def xla_write(key, value, key_cache, value_cache, slots, key_scale, value_scale)
             value_cache.at[page, offset].set(quantize(value, value_scale)))
 
 
+def write_bytes(tokens: int) -> int:
+    """A write's minimal traffic: K and V read (bf16), written (fp8), slots read."""
+    return tokens * HEADS * HEAD_DIM * (2 * 2 + 2) + tokens * 4
+
+
 def _write_loop(write, n, key, value, key_cache, value_cache, slots, key_scale, value_scale):
     """``n`` writes in one ``lax.fori_loop`` with the caches as the carry."""
     from jax import lax
@@ -157,7 +162,7 @@ def table_write_jax(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool) -
         value = jax.random.normal(rv, (tokens, HEADS, HEAD_DIM), jnp.bfloat16)
         slots = jax.random.permutation(rs, num_pages * PAGE_SIZE)[:tokens].astype(jnp.int32)
         scale = jnp.asarray(SCALE, jnp.float32)
-        nbytes = tokens * row * (2 * 2 + 2) + tokens * 4
+        nbytes = write_bytes(tokens)
 
         def fresh_caches():
             shape = (num_pages, PAGE_SIZE, HEADS, HEAD_DIM)
@@ -348,11 +353,6 @@ def write_steps(jax, fp8kv_jax, table: Table, case: str, size: int, tokens: int,
     return steps, all(bool((a == b).all()) for a, b in zip(*written))
 
 
-def _write_bytes(tokens: int) -> int:
-    """K and V read (bf16), written (fp8), slots read."""
-    return tokens * HEADS * HEAD_DIM * (2 * 2 + 2) + tokens * 4
-
-
 def table_write_jax_calls(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool) -> Table:
     """Eager jitted write calls, synced and pipelined, at 1 ... 65,536 tokens."""
     pages = cfg.eager_cache_pages
@@ -379,10 +379,10 @@ def table_write_jax_calls(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: b
         steps, same = write_steps(jax, fp8kv_jax, table, case, tokens, tokens, pages)
         # The floors in every row, timed in the same rounds: the row's own reference.
         steps.update({(case, tokens, floor): step for floor, step in floors.items()})
-        _add_call_rows(jax, table, steps, _write_bytes(tokens), cfg)
+        _add_call_rows(jax, table, steps, write_bytes(tokens), cfg)
         del steps
         if cuda:
-            table.add_roofline(case, tokens, _write_bytes(tokens), copy_gbps)
+            table.add_roofline(case, tokens, write_bytes(tokens), copy_gbps)
         if same is False:
             mismatched.append(tokens)
     if mismatched:
@@ -451,10 +451,10 @@ def tables_write_jax_cache(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: 
             if same is False:
                 mismatched.append(label)
         # Every size in the same rounds: a growth with the size cannot come from the host.
-        _add_call_rows(jax, table, steps, _write_bytes(tokens), cfg)
+        _add_call_rows(jax, table, steps, write_bytes(tokens), cfg)
         if cuda:
             for label, size in sorted({(case, size) for case, size, _ in steps}):
-                table.add_roofline(label, size, _write_bytes(tokens), copy_gbps)
+                table.add_roofline(label, size, write_bytes(tokens), copy_gbps)
         del steps
         if mismatched:
             table.note(f"fp8kv-jax and xla-scatter wrote DIFFERENT bytes with {mismatched}")
