@@ -7,7 +7,7 @@ import itertools
 import torch
 
 from fp8kv import plan
-from fp8kv.validate import check_write
+from fp8kv.validate import check_write, frontend_args
 from fp8kv_torch._launch import clear_launch_caches, info
 
 from . import latency
@@ -39,17 +39,13 @@ def planned_with(sizes: dict, backend: str, **entries):
         clear_launch_caches()
 
 
-def _scale(scale, name: str):
-    """A scale as check_write takes it: a tensor's ArrayInfo, or the number itself."""
-    return info(scale, name) if isinstance(scale, torch.Tensor) else scale
-
-
 def _write_plan(case, backend: str) -> plan.LaunchPlan:
     """The plan the launcher makes for ``case`` now (the tile can override the warps)."""
     key, value, slots = case.sets[0]
-    args = check_write(info(key, "key"), info(value, "value"), info(case.key_cache, "key_cache"),
-                       info(case.value_cache, "value_cache"), info(slots, "slots"),
-                       _scale(case.key_scale, "key_scale"), _scale(case.value_scale, "value_scale"),
+    arrays = dict(key=key, value=value, key_cache=case.key_cache, value_cache=case.value_cache,
+                  slots=slots)
+    args = check_write(**frontend_args(info, torch.Tensor, arrays, case.key_scale,
+                                       case.value_scale, None, None),
                        layout=case.layout, fp8_format=None)
     return plan.plan_write(args, backend)
 

@@ -36,6 +36,11 @@ Scale = Union[float, jax.Array, None]
 ScaleCache = Union[jax.Array, str, None]
 
 
+def _key_value(caches: tuple) -> tuple:
+    """``(key_cache, value_cache)``, or ``(kv_cache, None)`` for a combined cache ``(kv_cache,)``."""
+    return caches if len(caches) == 2 else (caches[0], None)
+
+
 def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
            key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
     """The new caches, then the new side scale arrays (None for a side without one) if any."""
@@ -43,7 +48,7 @@ def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format
     key, value, slots = as_array(key, "key"), as_array(value, "value"), as_array(slots, "slots")
     key_scale, value_scale, key_scale_cache, value_scale_cache = as_scales(
         key_scale, value_scale, key_scale_cache, value_scale_cache)
-    key_cache, value_cache = caches if len(caches) == 2 else (caches[0], None)  # None: combined
+    key_cache, value_cache = _key_value(caches)
     arrays = dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slots=slots)
     args = check_write(**frontend_args(_args.info, jax.Array, arrays, key_scale, value_scale,
                                        key_scale_cache, value_scale_cache),
@@ -187,7 +192,7 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
     block_table = as_array(block_table, "block_table")
     key_scale, value_scale, key_scale_cache, value_scale_cache = as_scales(
         key_scale, value_scale, key_scale_cache, value_scale_cache)
-    key_cache, value_cache = caches if len(caches) == 2 else (caches[0], None)  # None: combined
+    key_cache, value_cache = _key_value(caches)
     arrays = dict(key_cache=key_cache, value_cache=value_cache, block_table=block_table)
     args = check_dequantize(**frontend_args(_args.info, jax.Array, arrays, key_scale, value_scale,
                                             key_scale_cache, value_scale_cache),

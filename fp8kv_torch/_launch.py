@@ -270,20 +270,23 @@ def _one_element(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty((), dtype=dtype, device=device)
 
 
-def _empty_maker(shape: tuple, dtype: torch.dtype, device: torch.device):
+def _empty_maker(shape: tuple, dtype: torch.dtype, device: torch.device, template: bool = True):
     """``() -> a new contiguous tensor`` of ``shape``, ``dtype`` on ``device``.
 
     ``torch.empty_like`` of a template parses one argument where ``torch.empty(shape, dtype=,
     device=)`` parses three: ~1.3 us less per tensor on an H200 host (``bench/NOTES.md`` item
     23). The template is one element expanded to ``shape`` (no memory of its own); it is used
     only where the tensor it makes has the very shape, strides, dtype and device that
-    ``torch.empty`` gives (checked here, once per signature).
+    ``torch.empty`` gives (checked here, once per signature). ``template=False``: plain
+    ``torch.empty``.
     """
-    template = _one_element(dtype, device).expand(shape)
-    made, plain = torch.empty_like(template), torch.empty(shape, dtype=dtype, device=device)
-    if _layout_of(made) == _layout_of(plain):
-        return functools.partial(torch.empty_like, template)
-    return functools.partial(torch.empty, shape, dtype=dtype, device=device)
+    plain = functools.partial(torch.empty, shape, dtype=dtype, device=device)
+    if not template:
+        return plain
+    expanded = _one_element(dtype, device).expand(shape)
+    if _layout_of(torch.empty_like(expanded)) == _layout_of(plain()):
+        return functools.partial(torch.empty_like, expanded)
+    return plain
 
 
 def _layout_of(t: torch.Tensor) -> tuple:
@@ -300,11 +303,8 @@ class _NewOutputs:
 
     def __init__(self, pages_shape: tuple, dtype: torch.dtype, combined: bool,
                  table_shape: tuple, device: torch.device, templates: bool = True):
-        maker = _empty_maker if templates else (
-            lambda shape, dtype, device: functools.partial(torch.empty, shape, dtype=dtype,
-                                                           device=device))
-        pages = maker(pages_shape, dtype, device)
-        table = maker(table_shape, torch.int32, device)
+        pages = _empty_maker(pages_shape, dtype, device, templates)
+        table = _empty_maker(table_shape, torch.int32, device, templates)
         self.make = (lambda: (pages(), None, table())) if combined else (
             lambda: (pages(), pages(), table()))
         self.exists = (True, not combined, True)
