@@ -1,4 +1,11 @@
-"""FP8 formats, dtype names and layouts: the vocabulary shared by every path.
+"""Cache formats as data, dtype names and the constants every path shares.
+
+A format is one row of :data:`FORMATS`: what its codes are (bits per code, how many share a byte,
+exponent and mantissa bits, the largest value and its code, the code written for NaN) and how it
+is scaled (``block_size`` elements per stored block scale, 0 for none). Kernels receive the row's
+``id`` as the ``FORMAT`` constexpr and dispatch on it in :mod:`fp8kv.ops.codec`; the reference
+(:mod:`fp8kv.reference`) and the jnp path read the same row. Adding a format is one row here, its
+encode/decode branch in the codec module and its reference (README, "Adding a format").
 
 Dtypes are passed around by name (``"bfloat16"``, ``"float8_e4m3fn"`` ...), the spelling both
 ``torch`` and ``jax``/``numpy`` use, so this module imports neither framework.
@@ -12,14 +19,27 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Fp8Format:
-    name: str          # "e4m3" / "e5m2": the fp8_format= spelling
-    dtype: str         # the typed-cache dtype name
+class Format:
+    """One cache format: its codes and its scaling."""
+
+    name: str            # the spelling of the format argument ("e4m3", "e5m2")
+    id: int              # the FORMAT constexpr of the kernels
+    dtype: str | None    # the typed-cache dtype name (None: stored in uint8 only)
+    code_bits: int       # bits per code: 8 or 4
     exp_bits: int
     man_bits: int
-    max_value: float   # largest finite value; writes saturate to it
-    max_code: int      # its byte (positive)
-    nan_code: int      # the byte every NaN is written as (cvt.rn.satfinite's, pinned by a GPU test)
+    max_value: float     # largest finite value; writes saturate to it
+    max_code: int        # its code (positive)
+    nan_code: int        # the code every NaN is written as
+    block_size: int = 0  # elements per stored block scale (0: no block scales)
+
+    @property
+    def codes_per_byte(self) -> int:
+        return 8 // self.code_bits
+
+    @property
+    def sign_bit(self) -> int:
+        return 1 << (self.code_bits - 1)
 
     @property
     def bias(self) -> int:
@@ -33,30 +53,31 @@ class Fp8Format:
 
     @property
     def subnormal_unit(self) -> float:
-        """The value of the smallest subnormal (code 0x01)."""
+        """The value of the smallest subnormal (code 1)."""
         return 2.0 ** (1 - self.bias - self.man_bits)
 
     @property
     def has_inf(self) -> bool:
-        """e5m2 keeps IEEE infinities (magnitude 0x7C) and NaNs above them; e4m3fn has no inf and
-        one NaN magnitude, 0x7F."""
-        return self.max_code < 0x7C
+        """Whether the all-ones exponent holds IEEE infinities (e5m2). e4m3fn has no inf and one
+        NaN magnitude, 0x7F."""
+        return self.max_code < (((1 << self.exp_bits) - 1) << self.man_bits)
 
     @property
     def inf_magnitude(self) -> int:
-        """The magnitude byte of inf (e5m2); every larger magnitude is NaN. e4m3fn: 0x7F (NaN)."""
-        return ((1 << self.exp_bits) - 1) << self.man_bits if self.has_inf else 0x7F
+        """The magnitude code of inf (e5m2); every larger magnitude is NaN. e4m3fn: 0x7F (NaN)."""
+        return ((1 << self.exp_bits) - 1) << self.man_bits if self.has_inf else self.sign_bit - 1
 
 
-E4M3 = Fp8Format("e4m3", "float8_e4m3fn", 4, 3, 448.0, 0x7E, 0x7F)
-E5M2 = Fp8Format("e5m2", "float8_e5m2", 5, 2, 57344.0, 0x7B, 0x7F)
+E4M3 = Format("e4m3", 0, "float8_e4m3fn", 8, 4, 3, 448.0, 0x7E, 0x7F)
+E5M2 = Format("e5m2", 1, "float8_e5m2", 8, 5, 2, 57344.0, 0x7B, 0x7F)
 FORMATS = {f.name: f for f in (E4M3, E5M2)}
-FORMAT_OF_DTYPE = {f.dtype: f for f in (E4M3, E5M2)}
+FORMAT_OF_DTYPE = {f.dtype: f for f in FORMATS.values() if f.dtype is not None}
+DEFAULT_FORMAT = "e4m3"   # of a uint8 cache when no format is named
 
 
-def resolve_format(cache_dtype: str, fp8_format: str | None) -> Fp8Format:
-    """The format of a cache: its own dtype's, or ``fp8_format`` (default e4m3) for uint8."""
-    return FORMAT_OF_DTYPE.get(cache_dtype) or FORMATS[fp8_format or "e4m3"]
+def resolve_format(cache_dtype: str, name: str | None) -> Format:
+    """The format of a cache: its own dtype's, or ``name`` (default e4m3) for uint8."""
+    return FORMAT_OF_DTYPE.get(cache_dtype) or FORMATS[name or DEFAULT_FORMAT]
 
 
 INPUT_DTYPES = ("bfloat16", "float16", "float32")

@@ -1,32 +1,68 @@
-"""Named modes: how a kernel gets its scales and what it writes. The plan passes them as ints.
+"""How one side (K or V) is scaled, and what ``dequantize_pages`` writes: named kinds.
 
-Kernels compare constexprs, so each mode is an ``IntEnum`` whose ``int`` the plan hands over;
-:mod:`fp8kv.ops.fp8_math` turns the same members into ``tl.constexpr`` globals.
+A side has a static scale (:attr:`SideScale.kind`: none, a host value, a device scalar or a
+device vector per head) and, optionally, dynamic scales computed at write time and stored per slot
+(:attr:`SideScale.dynamic`). Kinds are compared by identity and described by named properties,
+never ordered; the plan hands their ``id`` to the kernels as constexprs, which compare them with
+``==`` (:mod:`fp8kv.ops.codec` holds the same ids as constexpr globals).
 """
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
-class ScaleMode(enum.IntEnum):
-    """How a kernel gets one operand's scale."""
+class ScaleKind(enum.Enum):
+    """One kind of scale; ``value`` is the kernels' id."""
 
-    NONE = 0     # no scale, or 1.0: x / 1 is exact, the division is skipped
-    VALUE = 1    # a host float, passed as an fp32 scalar argument
-    TENSOR = 2   # a device fp32 scalar ([] or [1]), read by the kernel
-    HEAD = 3     # a device fp32 vector, one scale per kv head
-    # Dynamic scales (docs/SPEC.md, "Dynamic scales"): computed by write_kv from the new tokens
-    # and stored per slot; dequantize_pages reads them back. Every mode from TOKEN on is dynamic.
-    TOKEN = 4        # one scale per token (over all its kv heads)
-    TOKEN_HEAD = 5   # one scale per token and kv head (side array or inline in the cache rows)
+    NONE = 0         # no scale, or 1.0: x / 1 is exact, the division is skipped
+    VALUE = 1        # a host float, passed as an fp32 scalar argument
+    TENSOR = 2       # a device fp32 scalar ([] or [1]), read by the kernel
+    HEAD = 3         # a device fp32 vector, one scale per kv head
+    TOKEN = 4        # dynamic: one scale per written token (over all its kv heads)
+    TOKEN_HEAD = 5   # dynamic: one scale per written token and kv head
+
+    @property
+    def id(self) -> int:
+        return self.value
 
     @property
     def dynamic(self) -> bool:
-        return self >= ScaleMode.TOKEN
+        """Computed by ``write_kv`` from the new tokens and stored per slot."""
+        return self in (ScaleKind.TOKEN, ScaleKind.TOKEN_HEAD)
+
+    @property
+    def on_device(self) -> bool:
+        """A static scale the kernel reads from a device array."""
+        return self in (ScaleKind.TENSOR, ScaleKind.HEAD)
+
+    @property
+    def per_head(self) -> bool:
+        return self in (ScaleKind.HEAD, ScaleKind.TOKEN_HEAD)
+
+
+@dataclass(frozen=True)
+class SideScale:
+    """The scaling of one side.
+
+    ``kind``: the static scale (NONE, VALUE, TENSOR or HEAD; ``value`` is VALUE's fp32 number).
+    ``dynamic``: NONE, or the granularity of the scales computed at write time and stored per
+    slot (then ``kind`` is NONE); ``stored``: the side array's geometry
+    (:class:`fp8kv.layout.ScaleCache`), None for inline scales or none.
+    """
+
+    kind: ScaleKind = ScaleKind.NONE
+    value: float = 1.0
+    dynamic: ScaleKind = ScaleKind.NONE
+    stored: object = None
+
+    @property
+    def is_dynamic(self) -> bool:
+        return self.dynamic is not ScaleKind.NONE
 
 
 class OutKind(enum.IntEnum):
-    """The dtype ``dequantize_pages`` writes."""
+    """The dtype ``dequantize_pages`` writes (the ``OUT_KIND`` constexpr)."""
 
     BFLOAT16 = 0
     FLOAT16 = 1

@@ -13,7 +13,7 @@ import triton
 
 from .arrays import ArrayInfo
 from .layout import combined_halves, paged
-from .modes import OUT_KIND_OF_DTYPE, ScaleMode
+from .modes import OUT_KIND_OF_DTYPE, ScaleKind, SideScale
 from .validate import DequantArgs, WriteArgs
 
 INTERPRET, CUDA = "interpret", "cuda"
@@ -24,7 +24,7 @@ INTERPRET, CUDA = "interpret", "cuda"
 # programs per SM), small ones 8 warps (more memory requests in flight, shorter dependency chains
 # per thread): batches of up to `small_batch_elems` row elements use `small_batch_warps`.
 # reciprocal_div: small batches divide by a per-tensor scale with one reciprocal and FMA
-# corrections (exact, see fp8_math.divide), which shortens each thread's dependency chain
+# corrections (exact, see codec.divide), which shortens each thread's dependency chain
 # (16 tokens: 2.39 vs 2.50 us); large batches keep div.rn, faster there (97.8 vs 100.0 us).
 # loads_first_elems: per-token-head writes load both sides' tiles before the first amax when a
 # tile has at most this many elements (H200, 65,536 tokens, 8 x 128: 107.4 vs 109.6 us); larger
@@ -47,7 +47,11 @@ class LaunchPlan:
     """What to launch: grid, warps, and the kernel's scalars and constexprs by parameter name.
 
     Scalars are Python ints (Triton types them i32 / i64 by value) and floats, which are fp32
-    parameters.
+    parameters: only what may change from call to call without a new compile (token and page
+    counts, host scale values). Everything fixed by the arrays' layout -- head counts, head_dim,
+    page size, every stride -- is a constexpr: an engine's caches and inputs keep their layout
+    from step to step, so this costs it no compile, and the compiler sees exact strides
+    (alignment and contiguity proofs for 16-byte accesses come from them).
     """
 
     grid: tuple[int, ...]
@@ -64,22 +68,18 @@ class LaunchPlan:
         return any(g == 0 for g in self.grid)
 
 
-def pow2_divisor(*values: int, cap: int = 16) -> int:
-    """The largest power of two, at most ``cap``, dividing every value (0 is divisible by all)."""
-    align = cap
-    for v in values:
-        while v % align:
-            align //= 2
-    return align
-
-
 def _strides(prefix: str, pages) -> dict:
-    """``stride_<prefix>_{page,slot,head}`` of a paged array (a cache, an output, a side scale
+    """``STRIDE_<prefix>_{PAGE,SLOT,HEAD}`` of a paged array (a cache, an output, a side scale
     array); all 0 without one (never read)."""
     page, slot, head = (0, 0, 0) if pages is None else (pages.stride_page, pages.stride_slot,
                                                          pages.stride_head)
-    return {f"stride_{prefix}_page": page, f"stride_{prefix}_slot": slot,
-            f"stride_{prefix}_head": head}
+    return {f"STRIDE_{prefix}_PAGE": page, f"STRIDE_{prefix}_SLOT": slot,
+            f"STRIDE_{prefix}_HEAD": head}
+
+
+def _side(prefix: str, scale: SideScale) -> dict:
+    """A side's scale constexprs: its static kind and its dynamic kind, as ids."""
+    return {f"{prefix}_SCALE": scale.kind.id, f"{prefix}_DYNAMIC": scale.dynamic.id}
 
 
 def _shared(args: WriteArgs | DequantArgs, backend: str, exact: bool | None) -> tuple[dict, dict]:
@@ -87,14 +87,13 @@ def _shared(args: WriteArgs | DequantArgs, backend: str, exact: bool | None) -> 
 
     The interpreter must take the exact conversions (its own fp8/bf16 casts are wrong)."""
     kc, vc = args.key_cache, args.value_cache
-    scalars = dict(
-        **_strides("kc", kc), **_strides("vc", vc), value_cache_offset=vc.offset,
-        key_scale_value=float(args.key_scale_value), value_scale_value=float(args.value_scale_value),
-        **_strides("ksc", args.key_scale_cache), **_strides("vsc", args.value_scale_cache))
+    ks, vs = args.key_scale, args.value_scale
+    scalars = dict(key_scale_value=float(ks.value), value_scale_value=float(vs.value))
     constexprs = dict(
         NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
-        INLINE_PAD=args.inline_pad, K_SCALE_MODE=int(args.key_scale_mode),
-        V_SCALE_MODE=int(args.value_scale_mode), E5M2=args.fmt.name == "e5m2",
+        **_strides("KC", kc), **_strides("VC", vc), VALUE_CACHE_OFFSET=vc.offset,
+        **_strides("KSC", ks.stored), **_strides("VSC", vs.stored),
+        FORMAT=args.fmt.id, **_side("K", ks), **_side("V", vs), INLINE_PAD=args.inline_pad,
         EXACT=backend == INTERPRET if exact is None else exact)
     return scalars, constexprs
 
@@ -114,7 +113,7 @@ def offsets_64(args: WriteArgs, tokens: int, block_h: int, block_d: int, block_h
     for cache in (args.key_cache, args.value_cache):
         reach.append(cache.offset + (cache.num_pages - 1) * cache.stride_page
                      + (cache.page_size - 1) * cache.stride_slot + heads * cache.stride_head + cols)
-    for sc in (args.key_scale_cache, args.value_scale_cache):
+    for sc in (args.key_scale.stored, args.value_scale.stored):
         if sc is not None:
             reach.append((kc.num_pages - 1) * sc.stride_page + (kc.page_size - 1) * sc.stride_slot
                          + heads * sc.stride_head)
@@ -130,28 +129,25 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
     block_hd = min(triton.next_power_of_2(max(row, 1)), sizes["max_block_hd"])
     block_h, block_d = triton.next_power_of_2(kc.num_heads), triton.next_power_of_2(kc.head_dim)
     # A dynamic side takes whole rows as [BLOCK_T, BLOCK_H, BLOCK_D] tiles.
-    dynamic = args.key_scale_mode.dynamic or args.value_scale_mode.dynamic
+    dynamic = args.key_scale.is_dynamic or args.value_scale.is_dynamic
     block_t = max(1, sizes["tile"] // (block_h * block_d if dynamic else block_hd))
     if backend == INTERPRET:  # no compile cost here: fit the tile to the batch
         block_t = min(block_t, triton.next_power_of_2(max(args.num_tokens, 1)))
     small = args.num_tokens * row <= sizes["small_batch_elems"]
     key, value = args.key, args.value
     scalars, constexprs = _shared(args, backend, exact)
-    scalars.update(
-        num_tokens=args.num_tokens, num_slots=kc.num_slots,
-        stride_key_token=key.strides[0], stride_key_head=key.strides[1],
-        stride_value_token=value.strides[0], stride_value_head=value.strides[1])
+    scalars.update(num_tokens=args.num_tokens, num_slots=kc.num_slots)
     constexprs.update(
+        STRIDE_KEY_TOKEN=key.strides[0], STRIDE_KEY_HEAD=key.strides[1],
+        STRIDE_VALUE_TOKEN=value.strides[0], STRIDE_VALUE_HEAD=value.strides[1],
         BLOCK_T=block_t, BLOCK_HD=block_hd, BLOCK_H=block_h, BLOCK_D=block_d,
         SCALE_POW2=args.scale_pow2,
         KEY_PACKED=key.strides[1] == kc.head_dim or kc.num_heads == 1,
         VALUE_PACKED=value.strides[1] == kc.head_dim or kc.num_heads == 1,
         CACHE_PACKED=kc.packed_rows and vc.packed_rows,
-        IN_ALIGN=pow2_divisor(key.strides[0], value.strides[0], key.strides[1], value.strides[1]),
-        CACHE_ALIGN=pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
-                                 vc.stride_slot, vc.stride_head, vc.offset),
         RECIPROCAL_DIV=sizes["reciprocal_div"] and small,
-        DYNAMIC_LOADS_FIRST=(args.key_scale_mode == args.value_scale_mode == ScaleMode.TOKEN_HEAD
+        DYNAMIC_LOADS_FIRST=(args.key_scale.dynamic is args.value_scale.dynamic
+                             is ScaleKind.TOKEN_HEAD
                              and block_t * block_h * block_d <= sizes["loads_first_elems"]),
         # One buffer holds both caches: V goes through the K output (one output per buffer).
         SHARED_OUT=args.combined)
@@ -164,10 +160,9 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
 @functools.lru_cache(maxsize=4096)
 def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo | None,
                     backend: str, exact: bool | None = None) -> LaunchPlan:
-    """Plan ``_dequantize_pages_kernel``. ``value_out`` None: ``key_out`` is a combined
-    ``[N, 2, ...]`` output holding both."""
-    combined_out = value_out is None
-    if combined_out:
+    """Plan ``_dequantize_pages_kernel``. A combined call (``args.combined``) has one
+    ``[N, 2, ...]`` output, ``key_out`` (``value_out`` None)."""
+    if args.combined:
         ko, vo = combined_halves(key_out, args.layout)
     else:
         ko, vo = paged(key_out, args.layout), paged(value_out, args.layout)
@@ -176,7 +171,7 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
     page_elems = kc.page_size * kc.num_heads * kc.head_dim
     block = min(triton.next_power_of_2(max(page_elems, 1)), sizes["block"])
     # Dynamic scales: [ROWS, BLOCK_D] tiles of whole head rows (one scale per row).
-    rowwise = args.key_scale_mode.dynamic or args.value_scale_mode.dynamic
+    rowwise = args.key_scale.is_dynamic or args.value_scale.is_dynamic
     block_d = triton.next_power_of_2(max(kc.head_dim, 1))
     if rowwise:
         block = max(block, block_d)
@@ -188,18 +183,14 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
     scalars.update(
         pages_per_seq=max(args.pages_per_seq, 1), stride_table_seq=table.strides[0],
         stride_table_page=table.strides[1], num_pages=kc.num_pages,
-        null_page=-1 if args.null_page is None else args.null_page,
-        **_strides("ko", ko), **_strides("vo", vo), value_out_offset=vo.offset)
+        null_page=-1 if args.null_page is None else args.null_page)
     constexprs.update(
+        **_strides("KO", ko), **_strides("VO", vo), VALUE_OUT_OFFSET=vo.offset,
         HND=args.layout == "HND" and args.cache_rank == 4, BLOCK=block, BLOCK_D=block_d,
         ROWWISE=rowwise, OUT_KIND=int(OUT_KIND_OF_DTYPE[args.out_dtype]),
         HAS_NULL_PAGE=args.null_page is not None,
         IN_PACKED=kc.packed_pages(args.layout) and vc.packed_pages(args.layout),
         OUT_PACKED=ko.packed_pages(args.layout) and vo.packed_pages(args.layout),
-        IN_ALIGN=pow2_divisor(kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page,
-                              vc.stride_slot, vc.stride_head, vc.offset),
-        OUT_ALIGN=pow2_divisor(ko.stride_page, ko.stride_slot, ko.stride_head, vo.stride_page,
-                               vo.stride_slot, vo.stride_head, vo.offset),
-        SHARED_OUT=combined_out)
+        SHARED_OUT=args.combined)
     grid = (args.batch * args.pages_per_seq * chunks,)
     return LaunchPlan(grid, sizes["num_warps"], scalars, constexprs)

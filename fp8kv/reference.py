@@ -8,7 +8,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .formats import (CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, FORMATS, Fp8Format,
+from .formats import (CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, FORMATS, Format,
                       resolve_format)
 from .validate import (INLINE, SCALE_ROUNDINGS, check_choice, check_inline_pad,
                        check_no_static_scale, check_scale_cache_arg)
@@ -28,7 +28,7 @@ def np_dtype(name: str) -> np.dtype:
     return _NP_DTYPES[name]
 
 
-def quantize(x: np.ndarray, scale, fmt: Fp8Format) -> np.ndarray:
+def quantize(x: np.ndarray, scale, fmt: Format) -> np.ndarray:
     """fp8 bytes (uint8) of ``x / scale``: fp32 division, RNE, saturation, NaN -> ``fmt.nan_code``.
 
     ``scale`` broadcasts against ``x`` (a per-head scale of shape ``[H]`` against ``[..., H, D]``
@@ -42,7 +42,7 @@ def quantize(x: np.ndarray, scale, fmt: Fp8Format) -> np.ndarray:
     return np.where(np.isnan(y), np.uint8(fmt.nan_code), q).astype(np.uint8)
 
 
-def dequantize(q: np.ndarray, scale, fmt: Fp8Format, out_dtype: str) -> np.ndarray:
+def dequantize(q: np.ndarray, scale, fmt: Format, out_dtype: str) -> np.ndarray:
     """``round_to(out_dtype)(float32(decode(q)) * scale)``; NaN codes give the canonical NaN."""
     f = np.asarray(q).view(np.uint8).view(np_dtype(fmt.dtype)).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -61,12 +61,12 @@ GRANULARITIES = ("token", "token_head")
 SCALE_FLOOR = np.float32(DYNAMIC_SCALE_FLOOR)  # 1e-6 in fp32: the smallest dynamic scale (before pow2 rounding)
 
 
-def _as_format(fmt) -> Fp8Format:
-    if isinstance(fmt, Fp8Format):
+def _as_format(fmt) -> Format:
+    if isinstance(fmt, Format):
         return fmt
     if isinstance(fmt, str) and fmt in FORMATS:
         return FORMATS[fmt]
-    raise ValueError(f"fmt: expected 'e4m3', 'e5m2' or an Fp8Format, got {fmt!r}")
+    raise ValueError(f"fmt: expected one of {sorted(FORMATS)} or a Format, got {fmt!r}")
 
 
 def _pow2_ceil(s: np.ndarray) -> np.ndarray:
@@ -83,7 +83,7 @@ def _pow2_ceil(s: np.ndarray) -> np.ndarray:
 def dynamic_scales(x, fmt, granularity, rounding) -> np.ndarray:
     """The dynamic dequant scales of new K or V ``x`` ``[T, H, D]``: fp32 ``[T, H]`` or ``[T]``.
 
-    ``fmt``: an :class:`Fp8Format` or its name (``"e4m3"``, ``"e5m2"``); ``granularity``:
+    ``fmt``: an :class:`Format` or its name (``"e4m3"``, ``"e5m2"``); ``granularity``:
     ``"token_head"`` (one scale per token and kv head, ``[T, H]``) or ``"token"`` (one per token
     over all its heads, ``[T]``); ``rounding``: ``"exact"`` or ``"pow2"``. For each group:
 

@@ -13,11 +13,11 @@ import numpy as np
 
 from .arrays import ArrayInfo, fmt_shape
 from .formats import (CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, INPUT_DTYPES, OUTPUT_DTYPES,
-                      SLOT_DTYPES, Fp8Format, resolve_format)
+                      SLOT_DTYPES, Format, resolve_format)
 from .layout import (INLINE_PADS, LAYOUTS, PagedCache, ScaleCache, combined_halves,
                      expected_cache_shape, inline_data, paged, pages_shape,
                      scale_cache as scale_cache_geometry, scale_cache_shapes)
-from .modes import ScaleMode
+from .modes import ScaleKind, SideScale
 
 FP32_MIN_NORMAL = 2.0 ** -126
 FP32_MAX = float.fromhex("0x1.fffffep127")
@@ -30,9 +30,12 @@ def check_choice(value, name: str, choices) -> str:
     return value
 
 
-def check_format(cache: ArrayInfo, fp8_format, name: str) -> Fp8Format:
-    if fp8_format is not None and fp8_format not in FORMATS:
-        raise ValueError(f"fp8_format: expected 'e4m3', 'e5m2' or None, got {fp8_format!r}")
+def check_format(cache: ArrayInfo, fp8_format, name: str) -> Format:
+    """The cache's format (a row of :data:`fp8kv.formats.FORMATS`): its dtype's, or the named
+    one for a uint8 cache."""
+    if fp8_format is not None and (not isinstance(fp8_format, str) or fp8_format not in FORMATS):
+        names = ", ".join(repr(n) for n in FORMATS)
+        raise ValueError(f"fp8_format: expected {names} or None, got {fp8_format!r}")
     fmt = resolve_format(cache.dtype, fp8_format)
     if cache.dtype in FORMAT_OF_DTYPE and fp8_format not in (None, fmt.name):
         raise ValueError(f"fp8_format: {name} is {cache.dtype}, which is {fmt.name!r}, "
@@ -107,10 +110,10 @@ def check_caches(key_cache, value_cache, kv_cache, layout: str, fp8_format):
     return k, v, check_format(key_cache, fp8_format, "key_cache"), key_cache.ndim
 
 
-def check_scale(scale, name: str, num_heads: int, device: str):
-    """Return the :class:`~fp8kv.modes.ScaleMode` and the host value."""
+def check_scale(scale, name: str, num_heads: int, device: str) -> SideScale:
+    """A static scale: None, a Python number or an fp32 device array ``[]``/``[1]``/``[H]``."""
     if scale is None:
-        return ScaleMode.NONE, 1.0
+        return SideScale()
     if isinstance(scale, ArrayInfo):
         check_dtype(scale, name, ("float32",))
         if scale.shape not in ((), (1,), (num_heads,)):
@@ -120,7 +123,7 @@ def check_scale(scale, name: str, num_heads: int, device: str):
             raise ValueError(f"{name}: expected device {device} (that of the cache), got {scale.device}")
         check_contiguous(scale, name)
         per_head = scale.shape == (num_heads,) and num_heads > 1
-        return (ScaleMode.HEAD if per_head else ScaleMode.TENSOR), 1.0
+        return SideScale(ScaleKind.HEAD if per_head else ScaleKind.TENSOR)
     if isinstance(scale, bool) or not isinstance(scale, Real):
         raise TypeError(f"{name}: expected None, a float or a float32 array, got {type(scale).__name__}")
     value = float(scale)
@@ -131,8 +134,8 @@ def check_scale(scale, name: str, num_heads: int, device: str):
         raise ValueError(f"{name}: expected a scale in the normal fp32 range [2**-126, "
                          f"{FP32_MAX:.6g}], got {value}")
     if value == 1.0:  # x / 1 == x exactly: skip the division
-        return ScaleMode.NONE, 1.0
-    return ScaleMode.VALUE, value
+        return SideScale()
+    return SideScale(ScaleKind.VALUE, value)
 
 
 INLINE = "inline"
@@ -187,13 +190,13 @@ def check_inline(key_scale_cache, value_scale_cache, kc: PagedCache, vc: PagedCa
 
 
 def check_scale_cache(scale_cache, name: str, scale, scale_name: str, cache: PagedCache,
-                      layout: str, rank: int, device: str):
-    """``(mode, geometry)`` of one side's dynamic scales; ``(None, None)`` without them."""
+                      layout: str, rank: int, device: str) -> SideScale | None:
+    """One side's dynamic scales; None without them."""
     if scale_cache is None:
-        return None, None
+        return None
     check_no_static_scale(scale, scale_cache, scale_name)
     if scale_cache == INLINE:
-        return ScaleMode.TOKEN_HEAD, None
+        return SideScale(dynamic=ScaleKind.TOKEN_HEAD)
     check_dtype(scale_cache, name, ("float32",))
     shapes = scale_cache_shapes(cache, layout, rank)
     if scale_cache.shape not in shapes.values():
@@ -207,48 +210,45 @@ def check_scale_cache(scale_cache, name: str, scale, scale_name: str, cache: Pag
         raise ValueError(f"{name}: expected non-negative strides, got "
                          f"{fmt_shape(scale_cache.strides)}")
     geometry = scale_cache_geometry(scale_cache, layout, rank)
-    return (ScaleMode.TOKEN_HEAD if geometry.per_head else ScaleMode.TOKEN), geometry
+    return SideScale(dynamic=ScaleKind.TOKEN_HEAD if geometry.per_head else ScaleKind.TOKEN,
+                     stored=geometry)
 
 
 def _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc, layout, rank,
-                 device, num_heads):
-    """Both sides' ``(mode, host value, side geometry)``, static or dynamic."""
+                 device, num_heads) -> tuple[SideScale, SideScale]:
+    """Both sides' :class:`~fp8kv.modes.SideScale`, static or dynamic."""
     sides = []
     for side, scale, sc, cache in (("key", key_scale, key_scale_cache, kc),
                                    ("value", value_scale, value_scale_cache, vc)):
-        mode, geometry = check_scale_cache(sc, f"{side}_scale_cache", scale, f"{side}_scale",
-                                           cache, layout, rank, device)
-        value = 1.0   # a dynamic side's codes use the scales it computes or reads
-        if mode is None:
-            mode, value = check_scale(scale, f"{side}_scale", num_heads, device)
-        sides.append((mode, value, geometry))
-    return sides
+        dynamic = check_scale_cache(sc, f"{side}_scale_cache", scale, f"{side}_scale", cache,
+                                    layout, rank, device)
+        sides.append(dynamic or check_scale(scale, f"{side}_scale", num_heads, device))
+    return tuple(sides)
 
 
 @dataclass(frozen=True)
 class WriteArgs:
+    """A validated ``write_kv`` / ``write_kv_combined`` call: what the plan and the operand map
+    (:mod:`fp8kv.operands`) are made from."""
+
     num_tokens: int
     key: ArrayInfo
     value: ArrayInfo
     key_cache: PagedCache
     value_cache: PagedCache
-    fmt: Fp8Format
-    key_scale_mode: ScaleMode
-    key_scale_value: float
-    value_scale_mode: ScaleMode
-    value_scale_value: float
+    fmt: Format
+    key_scale: SideScale
+    value_scale: SideScale
     layout: str
-    combined: bool  # one [num_pages, 2, ...] cache: the K and the V operand, V at its offset
-    # Dynamic scales: side arrays' geometry (None: static or inline), the inline pad (0: none;
-    # then both sides are inline and key_cache/value_cache describe the data columns only), and
-    # the rounding of the scales.
-    key_scale_cache: ScaleCache | None = None
-    value_scale_cache: ScaleCache | None = None
+    combined: bool  # one kv_cache [num_pages, 2, ...]: both cache operands, V at its offset
+    # The inline pad (0: none; then both sides are inline and key_cache/value_cache describe the
+    # data columns only) and the rounding of dynamic scales.
     inline_pad: int = 0
     scale_pow2: bool = False
 
 
-def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scale, *, layout,
+def check_write(key, value, key_cache=None, value_cache=None, slots=None, key_scale=None,
+                value_scale=None, *, layout,
                 fp8_format, kv_cache=None, key_scale_cache=None, value_scale_cache=None,
                 scale_rounding="exact") -> WriteArgs:
     """Validate ``write_kv`` (or, with ``kv_cache``, ``write_kv_combined``) arguments."""
@@ -285,35 +285,35 @@ def check_write(key, value, key_cache, value_cache, slots, key_scale, value_scal
         raise ValueError(f"slots: expected shape [{num_tokens}] (one per token), got "
                          f"{fmt_shape(slots.shape)}")
     check_contiguous(slots, "slots")
-    (ks_mode, ks_value, ksc), (vs_mode, vs_value, vsc) = _side_scales(
-        key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc, layout, rank, device,
-        num_heads)
-    return WriteArgs(num_tokens, key, value, kc, vc, fmt, ks_mode, ks_value, vs_mode, vs_value,
-                     layout, kv_cache is not None, ksc, vsc, pad, pow2)
+    ks, vs = _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
+                          layout, rank, device, num_heads)
+    return WriteArgs(num_tokens, key, value, kc, vc, fmt, ks, vs, layout, kv_cache is not None,
+                     pad, pow2)
 
 
 @dataclass(frozen=True)
 class DequantArgs:
+    """A validated ``dequantize_pages`` / ``dequantize_pages_combined`` call (a combined cache
+    gives a combined output)."""
+
     batch: int
     pages_per_seq: int
     block_table: ArrayInfo
     key_cache: PagedCache
     value_cache: PagedCache
-    fmt: Fp8Format
+    fmt: Format
     out_dtype: str
     layout: str
     cache_rank: int
     null_page: int | None
-    key_scale_mode: ScaleMode
-    key_scale_value: float
-    value_scale_mode: ScaleMode
-    value_scale_value: float
-    key_scale_cache: ScaleCache | None = None      # as in WriteArgs
-    value_scale_cache: ScaleCache | None = None
+    key_scale: SideScale
+    value_scale: SideScale
+    combined: bool = False
     inline_pad: int = 0
 
 
-def check_dequantize(key_cache, value_cache, block_table, key_scale, value_scale, *, dtype, layout,
+def check_dequantize(key_cache=None, value_cache=None, block_table=None, key_scale=None,
+                     value_scale=None, *, dtype, layout,
                      fp8_format, null_page, kv_cache=None, key_scale_cache=None,
                      value_scale_cache=None, head_dim=None) -> DequantArgs:
     layout = check_choice(layout, "layout", LAYOUTS)
@@ -341,28 +341,20 @@ def check_dequantize(key_cache, value_cache, block_table, key_scale, value_scale
                          f"{fmt_shape(block_table.shape)}")
     if null_page is not None and (isinstance(null_page, bool) or not isinstance(null_page, int)):
         raise TypeError(f"null_page: expected None or an int, got {type(null_page).__name__}")
-    (ks_mode, ks_value, ksc), (vs_mode, vs_value, vsc) = _side_scales(
-        key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc, layout, rank, device,
-        kc.num_heads)
+    ks, vs = _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
+                          layout, rank, device, kc.num_heads)
     batch, pages_per_seq = block_table.shape
-    return DequantArgs(batch, pages_per_seq, block_table, kc, vc, fmt, dtype, layout, rank, null_page,
-                       ks_mode, ks_value, vs_mode, vs_value, ksc, vsc, pad)
+    return DequantArgs(batch, pages_per_seq, block_table, kc, vc, fmt, dtype, layout, rank,
+                       null_page, ks, vs, kv_cache is not None, pad)
 
 
-def frontend_args(info, array_type: type, arrays: dict, key_scale, value_scale, key_scale_cache,
-                  value_scale_cache) -> dict:
+def frontend_args(info, array_type: type, arrays: dict, scales: dict) -> dict:
     """:func:`check_write` / :func:`check_dequantize` arguments by name, from a frontend's own:
-    ``info(x, name)`` of each of ``arrays`` (it raises for a wrong type, naming it; ``value_cache``
-    None: ``key_cache`` is the combined ``kv_cache``, converted last), and of each scale and scale
-    cache that is an ``array_type``; the others (None, a number, ``"inline"``, a wrong type) as
-    they are, for the checks to judge."""
-    combined = arrays["value_cache"] is None
-    args = {name: None if combined and name in ("key_cache", "value_cache") else info(x, name)
-            for name, x in arrays.items()}
-    if combined:
-        args["kv_cache"] = info(arrays["key_cache"], "kv_cache")
-    scales = dict(key_scale=key_scale, value_scale=value_scale, key_scale_cache=key_scale_cache,
-                  value_scale_cache=value_scale_cache)
+    ``info(x, name)`` of each of ``arrays`` (the arrays the call must have: it raises for a wrong
+    type, naming it), and of each of ``scales`` (scales and scale caches) that is an
+    ``array_type``; the others (None, a number, ``"inline"``, a wrong type) as they are, for the
+    checks to judge."""
+    args = {name: info(x, name) for name, x in arrays.items()}
     args.update((name, info(x, name) if isinstance(x, array_type) else x)
                 for name, x in scales.items())
     return args

@@ -28,7 +28,7 @@ from fp8kv.validate import (check_dequantize, check_slots_in_range, check_table_
                             check_write, dequantized_shape, frontend_args)
 
 from . import _args, _jnp, _triton
-from ._args import as_array, as_caches, as_scales, device_array
+from ._args import as_array, as_scales, device_array
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
 
@@ -36,34 +36,35 @@ Scale = Union[float, jax.Array, None]
 ScaleCache = Union[jax.Array, str, None]
 
 
-def _key_value(caches: tuple) -> tuple:
-    """``(key_cache, value_cache)``, or ``(kv_cache, None)`` for a combined cache ``(kv_cache,)``."""
-    return caches if len(caches) == 2 else (caches[0], None)
+_SIDE_ARRAYS = ("key_scale_cache", "value_scale_cache")
 
 
-def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
-    """The new caches, then the new side scale arrays (None for a side without one) if any."""
-    caches = as_caches(caches)
-    key, value, slots = as_array(key, "key"), as_array(value, "value"), as_array(slots, "slots")
-    key_scale, value_scale, key_scale_cache, value_scale_cache = as_scales(
-        key_scale, value_scale, key_scale_cache, value_scale_cache)
-    key_cache, value_cache = _key_value(caches)
-    arrays = dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slots=slots)
-    args = check_write(**frontend_args(_args.info, jax.Array, arrays, key_scale, value_scale,
-                                       key_scale_cache, value_scale_cache),
-                       layout=layout, fp8_format=fp8_format, scale_rounding=scale_rounding)
+def _scales(key_scale, value_scale, key_scale_cache, value_scale_cache) -> dict:
+    """The scale arguments by name, NumPy arrays made JAX arrays (the core checks the rest)."""
+    return dict(zip(("key_scale", "value_scale") + _SIDE_ARRAYS,
+                    as_scales(key_scale, value_scale, key_scale_cache, value_scale_cache)))
+
+
+def _write(arrays: dict, scales: dict, layout, fp8_format, scale_rounding, check_bounds):
+    """The new caches (``arrays``' cache entries, in order), then the new side scale arrays
+    (None for a side without one) if any is given."""
+    arrays = {name: as_array(x, name) for name, x in arrays.items()}
+    args = check_write(**frontend_args(_args.info, jax.Array, arrays, scales), layout=layout,
+                       fp8_format=fp8_format, scale_rounding=scale_rounding)
     if check_bounds:
-        check_slots_in_range(_args.host_values(slots, "slots"), args.key_cache.num_slots)
-    sides = (device_array(key_scale_cache), device_array(value_scale_cache))
-    tail = () if sides == (None, None) else sides
+        check_slots_in_range(_args.host_values(arrays["slots"], "slots"),
+                             args.key_cache.num_slots)
+    caches = [name for name in arrays if name.endswith("cache")]
+    sides = {name: device_array(scales[name]) for name in _SIDE_ARRAYS}
+    given = {**arrays, **{name: device_array(s) for name, s in scales.items()}}
     if args.num_tokens == 0:  # nothing to write: no launch
-        return caches + tail
-    impl = _triton if _args.use_triton((key, value, *caches, slots, *sides)) else _jnp
-    out = impl.write_kv(key, value, key_cache, value_cache, slots, device_array(key_scale),
-                        device_array(value_scale), *sides, args=args)
-    # out: (key_cache, value_cache) or (kv_cache,), then the two side arrays (or None)
-    return tuple(out[:-2]) + (tuple(out[-2:]) if tail else ())
+        updated = given
+    else:
+        impl = _triton if _args.use_triton([*arrays.values(), *sides.values()]) else _jnp
+        updated = impl.write_kv(given, args=args)
+    has_side = any(s is not None for s in sides.values())
+    tail = [updated.get(name) for name in _SIDE_ARRAYS] if has_side else []
+    return tuple(updated[name] for name in caches) + tuple(tail)
 
 
 def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
@@ -140,8 +141,10 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
     >>> k_cache[1, 1, 0].astype(jnp.float32).tolist()
     [2.0, -4.0, 448.0, 0.625]
     """
-    return _write(key, value, (key_cache, value_cache), slots, key_scale, value_scale, layout,
-                  fp8_format, key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
+    return _write(dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                       slots=slots),
+                  _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), layout,
+                  fp8_format, scale_rounding, check_bounds)
 
 
 def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slots: jax.Array,
@@ -181,35 +184,33 @@ def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slo
     >>> kv[1, :, 2, 0].tolist()
     [[56, 56, 56, 56], [184, 184, 184, 184]]
     """
-    out = _write(key, value, (kv_cache,), slots, key_scale, value_scale, layout, fp8_format,
-                 key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
+    out = _write(dict(key=key, value=value, kv_cache=kv_cache, slots=slots),
+                 _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), layout,
+                 fp8_format, scale_rounding, check_bounds)
     return out[0] if len(out) == 1 else out
 
 
-def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format, null_page,
-                key_scale_cache, value_scale_cache, head_dim, check_bounds):
-    caches = as_caches(caches)
-    block_table = as_array(block_table, "block_table")
-    key_scale, value_scale, key_scale_cache, value_scale_cache = as_scales(
-        key_scale, value_scale, key_scale_cache, value_scale_cache)
-    key_cache, value_cache = _key_value(caches)
-    arrays = dict(key_cache=key_cache, value_cache=value_cache, block_table=block_table)
-    args = check_dequantize(**frontend_args(_args.info, jax.Array, arrays, key_scale, value_scale,
-                                            key_scale_cache, value_scale_cache),
+def _dequantize(arrays: dict, scales: dict, dtype, layout, fp8_format, null_page, head_dim,
+                check_bounds):
+    """``(key_pages, value_pages, new_block_table)``, or ``(kv_pages, new_block_table)`` for a
+    combined ``arrays["kv_cache"]``."""
+    arrays = {name: as_array(x, name) for name, x in arrays.items()}
+    args = check_dequantize(**frontend_args(_args.info, jax.Array, arrays, scales),
                             dtype=_args.dtype_name(dtype), layout=layout, fp8_format=fp8_format,
                             null_page=null_page, head_dim=head_dim)
     if check_bounds:
-        check_table_in_range(_args.host_values(block_table, "block_table"),
+        check_table_in_range(_args.host_values(arrays["block_table"], "block_table"),
                              args.key_cache.num_pages, null_page)
-    combined = value_cache is None
+    outputs = ("kv_out", "table_out") if args.combined else ("key_out", "value_out", "table_out")
     if args.batch * args.pages_per_seq == 0:  # no pages to read: no launch
-        pages = (jnp.zeros(dequantized_shape(args, combined), args.out_dtype),) * len(caches)
-        return (*pages, jnp.zeros((args.batch, args.pages_per_seq), jnp.int32))
-    sides = (device_array(key_scale_cache), device_array(value_scale_cache))
-    impl = _triton if _args.use_triton((*caches, block_table, *sides)) else _jnp
-    return impl.dequantize_pages(key_cache, value_cache, block_table,
-                                 device_array(key_scale), device_array(value_scale), *sides,
-                                 args=args, combined=combined)
+        pages = jnp.zeros(dequantized_shape(args, args.combined), args.out_dtype)
+        table = jnp.zeros((args.batch, args.pages_per_seq), jnp.int32)
+        return (pages,) * (len(outputs) - 1) + (table,)
+    given = {**arrays, **{name: device_array(s) for name, s in scales.items()}}
+    sides = [device_array(scales[name]) for name in _SIDE_ARRAYS]
+    impl = _triton if _args.use_triton([*arrays.values(), *sides]) else _jnp
+    out = impl.dequantize_pages(given, args=args)
+    return tuple(out[name] for name in outputs)
 
 
 def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: jax.Array,
@@ -275,9 +276,9 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
     >>> k[:, 0, 0].tolist(), table.tolist()
     ([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], [[0, 1]])
     """
-    return _dequantize((key_cache, value_cache), block_table, key_scale, value_scale, dtype,
-                       layout, fp8_format, null_page, key_scale_cache, value_scale_cache, head_dim,
-                       check_bounds)
+    return _dequantize(dict(key_cache=key_cache, value_cache=value_cache, block_table=block_table),
+                       _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), dtype,
+                       layout, fp8_format, null_page, head_dim, check_bounds)
 
 
 def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_scale: Scale = None,
@@ -320,6 +321,6 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
     >>> pages.shape, pages[0, 1, 0, 0].tolist()
     ((1, 2, 1, 1, 2), [-1.0, -1.0])
     """
-    return _dequantize((kv_cache,), block_table, key_scale, value_scale, dtype, layout,
-                       fp8_format, null_page, key_scale_cache, value_scale_cache, head_dim,
-                       check_bounds)
+    return _dequantize(dict(kv_cache=kv_cache, block_table=block_table),
+                       _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), dtype,
+                       layout, fp8_format, null_page, head_dim, check_bounds)

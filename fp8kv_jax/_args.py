@@ -25,12 +25,6 @@ def as_array(x, name: str):
     raise TypeError(f"{name}: expected a jax.Array, got {type(x).__name__}")
 
 
-def as_caches(caches) -> tuple:
-    """``(key_cache, value_cache)`` or ``(kv_cache,)`` as JAX arrays."""
-    names = ("key_cache", "value_cache") if len(caches) == 2 else ("kv_cache",)
-    return tuple(as_array(c, name) for c, name in zip(caches, names))
-
-
 def as_scales(*scales) -> tuple:
     """Scales and scale caches as given, NumPy arrays made JAX arrays (the core checks the rest)."""
     return tuple(jnp.asarray(s) if isinstance(s, np.ndarray) else s for s in scales)

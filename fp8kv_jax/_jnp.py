@@ -13,20 +13,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8kv.formats import CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR
-from fp8kv.modes import ScaleMode
+from fp8kv.modes import ScaleKind, SideScale
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-def _scale(array, mode: int, value: float, trailing: int):
-    """The scale, shaped to broadcast against ``[..., num_kv_heads, *trailing dims]`` (or None).
-
-    Dynamic modes give None here; their scales come from :func:`_stored_scales`."""
-    if mode == ScaleMode.NONE or mode >= ScaleMode.TOKEN:
+def _scale(array, scale: SideScale, trailing: int):
+    """The static scale, shaped to broadcast against ``[..., num_kv_heads, *trailing dims]``
+    (None without one; dynamic scales come from :func:`_stored_scales`)."""
+    if scale.kind is ScaleKind.NONE:
         return None
-    if mode == ScaleMode.VALUE:
-        return jnp.float32(value)
-    if mode == ScaleMode.HEAD:
+    if scale.kind is ScaleKind.VALUE:
+        return jnp.float32(scale.value)
+    if scale.kind is ScaleKind.HEAD:
         return array.reshape((-1,) + (1,) * trailing)
     return array.reshape(())
 
@@ -98,11 +97,11 @@ def _dynamic_scales(x, fmt, per_head: bool, pow2: bool):
     return s
 
 
-def _quantize_side(x, scale, mode, value, args):
+def _quantize_side(x, array, scale: SideScale, args):
     """``(codes [T, H, D or D + pad], dynamic scales or None)`` of one side."""
-    if mode < ScaleMode.TOKEN:
-        return _quantize(x, _scale(scale, mode, value, 1), args.fmt), None
-    per_head = mode == ScaleMode.TOKEN_HEAD
+    if not scale.is_dynamic:
+        return _quantize(x, _scale(array, scale, 1), args.fmt), None
+    per_head = scale.dynamic is ScaleKind.TOKEN_HEAD
     s = _dynamic_scales(x, args.fmt, per_head, args.scale_pow2)
     codes = _quantize(x, s[:, :, None] if per_head else s[:, None, None], args.fmt)
     if args.inline_pad:  # the scale's little-endian bytes, then zeros, after each head's codes
@@ -113,29 +112,31 @@ def _quantize_side(x, scale, mode, value, args):
 
 
 @functools.partial(jax.jit, static_argnames=("args",))
-def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, key_scale_cache,
-             value_scale_cache, *, args):
-    """``(key_cache, value_cache, key_scale_cache, value_scale_cache)``, or ``(kv_cache,
-    key_scale_cache, value_scale_cache)`` when ``args.combined`` (``value_cache`` is then None);
-    a side without a side scale array gives None."""
+def write_kv(arrays: dict, *, args) -> dict:
+    """The updated arrays by argument name, from ``arrays`` (the call's, by argument name; None
+    for an absent scale): the caches (``kv_cache`` when ``args.combined``), then each side
+    scale array given."""
     combined = args.combined
-    qk, sk = _quantize_side(key, key_scale, args.key_scale_mode, args.key_scale_value, args)
-    qv, sv = _quantize_side(value, value_scale, args.value_scale_mode, args.value_scale_value,
-                            args)
-    rank = key_cache.ndim - combined
+    slots = arrays["slots"]
+    qk, sk = _quantize_side(arrays["key"], arrays["key_scale"], args.key_scale, args)
+    qv, sv = _quantize_side(arrays["value"], arrays["value_scale"], args.value_scale, args)
+    cache = arrays["kv_cache" if combined else "key_cache"]
+    rank = cache.ndim - combined
     index = _slot_index(slots, args.key_cache, args.layout, rank, combined)
-    scale_out = []
-    for sc, s, mode in ((key_scale_cache, sk, args.key_scale_mode),
-                        (value_scale_cache, sv, args.value_scale_mode)):
-        if sc is not None:
+    if combined:
+        out = {"kv_cache": _scatter(cache, index, jnp.stack([qk, qv], axis=1))}
+    else:
+        out = {"key_cache": _scatter(cache, index, qk),
+               "value_cache": _scatter(arrays["value_cache"], index, qv)}
+    for side, s, scale in (("key", sk, args.key_scale), ("value", sv, args.value_scale)):
+        if scale.stored is not None:
             # A side array is indexed as its cache without head_dim; a per-token one ([P, S] in
             # either layout) as an NHD cache without heads.
-            layout = args.layout if mode == ScaleMode.TOKEN_HEAD else "NHD"
-            sc = sc.at[_slot_index(slots, args.key_cache, layout, rank, False)].set(s, mode="drop")
-        scale_out.append(sc)
-    if combined:
-        return (_scatter(key_cache, index, jnp.stack([qk, qv], axis=1)), *scale_out)
-    return _scatter(key_cache, index, qk), _scatter(value_cache, index, qv), *scale_out
+            layout = args.layout if scale.dynamic is ScaleKind.TOKEN_HEAD else "NHD"
+            sc = arrays[f"{side}_scale_cache"]
+            out[f"{side}_scale_cache"] = sc.at[_slot_index(slots, args.key_cache, layout, rank,
+                                                           False)].set(s, mode="drop")
+    return out
 
 
 def _gather(cache, index, num_pages: int):
@@ -146,7 +147,7 @@ def _gather(cache, index, num_pages: int):
     return raw.at[index].get(mode="fill", fill_value=0)
 
 
-def _stored_scales(scale_cache, codes, index, num_pages, mode, args):
+def _stored_scales(scale_cache, codes, index, num_pages, kind, args):
     """``(codes [N, ..., D], scales broadcasting against them)`` for a dynamic side."""
     if args.inline_pad:
         d = args.key_cache.head_dim
@@ -156,18 +157,19 @@ def _stored_scales(scale_cache, codes, index, num_pages, mode, args):
         s = jnp.ones(index.shape, jnp.float32)
     else:
         s = scale_cache.at[index].get(mode="fill", fill_value=1.0)
-    if mode == ScaleMode.TOKEN and args.cache_rank == 4:   # [N, page_size]
+    if kind is ScaleKind.TOKEN and args.cache_rank == 4:   # [N, page_size]
         s = s[:, :, None] if args.layout == "NHD" else s[:, None, :]
-    elif mode == ScaleMode.TOKEN:                           # [N]
+    elif kind is ScaleKind.TOKEN:                           # [N]
         s = s[:, None]
     return codes, s.reshape(s.shape + (1,) * (codes.ndim - s.ndim))
 
 
-@functools.partial(jax.jit, static_argnames=("args", "combined"))
-def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale,
-                     key_scale_cache=None, value_scale_cache=None, *, args, combined):
-    """``(key_pages, value_pages, new_table)``, or ``(kv_pages, new_table)`` when ``combined``."""
+@functools.partial(jax.jit, static_argnames=("args",))
+def dequantize_pages(arrays: dict, *, args) -> dict:
+    """The outputs by argument name (``key_out``, ``value_out``, ``table_out``; ``kv_out``,
+    ``table_out`` when ``args.combined``) from ``arrays`` (the call's, by argument name)."""
     num_pages = args.key_cache.num_pages
+    block_table = arrays["block_table"]
     entries = block_table.reshape(-1)
     keep = _in_range(entries, num_pages)
     info = jnp.iinfo(entries.dtype)
@@ -176,22 +178,21 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     index = jnp.where(keep, entries, num_pages)
     keep = keep.reshape((-1,) + (1,) * (args.cache_rank - 1))
     trailing = 2 if args.layout == "HND" and args.cache_rank == 4 else 1  # dims after the heads
-    if combined:
-        pages = _gather(key_cache, index, num_pages)
+    if args.combined:
+        pages = _gather(arrays["kv_cache"], index, num_pages)
         codes = pages[:, 0], pages[:, 1]
     else:
-        codes = _gather(key_cache, index, num_pages), _gather(value_cache, index, num_pages)
+        codes = (_gather(arrays["key_cache"], index, num_pages),
+                 _gather(arrays["value_cache"], index, num_pages))
     sides = []
-    for c, scale, scale_cache, mode, value in (
-            (codes[0], key_scale, key_scale_cache, args.key_scale_mode, args.key_scale_value),
-            (codes[1], value_scale, value_scale_cache, args.value_scale_mode,
-             args.value_scale_value)):
-        s = _scale(scale, mode, value, trailing)
-        if mode >= ScaleMode.TOKEN:
-            c, s = _stored_scales(scale_cache, c, index, num_pages, mode, args)
+    for c, side, scale in ((codes[0], "key", args.key_scale), (codes[1], "value", args.value_scale)):
+        s = _scale(arrays[f"{side}_scale"], scale, trailing)
+        if scale.is_dynamic:
+            c, s = _stored_scales(arrays[f"{side}_scale_cache"], c, index, num_pages,
+                                  scale.dynamic, args)
         sides.append(_dequantize(c, s, args.fmt, args.out_dtype, keep))
     k, v = sides
     new_table = jnp.arange(entries.size, dtype=jnp.int32).reshape(block_table.shape)
-    if combined:
-        return jnp.stack([k, v], axis=1), new_table
-    return k, v, new_table
+    if args.combined:
+        return {"kv_out": jnp.stack([k, v], axis=1), "table_out": new_table}
+    return {"key_out": k, "value_out": v, "table_out": new_table}

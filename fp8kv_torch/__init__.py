@@ -12,29 +12,34 @@ from typing import Sequence, Union
 import torch
 
 from . import _launch
-from ._ops import dequantize_pages_op, split_scales, write_kv_op
+from ._fast import FastPathWarning
+from ._ops import (dequantize_pages_combined_op, dequantize_pages_op, split_scales,
+                   write_kv_combined_op, write_kv_op)
 
-__all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
+__all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
+           "FastPathWarning"]
 
 Tensor = torch.Tensor
 Scale = Union[float, Tensor, None]
 ScaleCache = Union[Tensor, str, None]
 
 
-def _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
+def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
            key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
+    """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op."""
+    combined = len(caches) == 1
     if torch.compiler.is_compiling():
         if check_bounds:
             _launch.host_values(slots, "slots")   # raises: no host reads in a compiled graph
         scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
                                             value_scale_cache)
-        write_kv_op(key, value, key_cache, value_cache, slots, *scales, layout, fp8_format,
-                    *scale_caches, scale_rounding)
+        op = write_kv_combined_op if combined else write_kv_op
+        op(key, value, *caches, slots, *scales, layout, fp8_format, *scale_caches, scale_rounding)
     else:
-        _launch.write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout,
-                         fp8_format, key_scale_cache=key_scale_cache,
-                         value_scale_cache=value_scale_cache, scale_rounding=scale_rounding,
-                         check_bounds=check_bounds)
+        launcher = _launch.write_kv_combined if combined else _launch.write_kv
+        launcher(key, value, *caches, slots, key_scale, value_scale, layout, fp8_format,
+                 key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache,
+                 scale_rounding=scale_rounding, check_bounds=check_bounds)
 
 
 def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor,
@@ -107,8 +112,8 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     >>> k_cache[1, 1, 0].float().tolist()
     [2.0, -4.0, 448.0, 0.625]
     """
-    _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
+    _write(key, value, (key_cache, value_cache), slots, key_scale, value_scale, layout,
+           fp8_format, key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
 
 
 def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor,
@@ -138,45 +143,44 @@ def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tenso
     >>> kv[1, :, 2, 0].tolist()
     [[56, 56, 56, 56], [184, 184, 184, 184]]
     """
-    _write(key, value, kv_cache, None, slots, key_scale, value_scale, layout, fp8_format,
+    _write(key, value, (kv_cache,), slots, key_scale, value_scale, layout, fp8_format,
            key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
 
 
-def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
-                fp8_format, null_page, out, combined, key_scale_cache, value_scale_cache, head_dim,
-                check_bounds):
+def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
+                null_page, out, key_scale_cache, value_scale_cache, head_dim, check_bounds):
+    """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op; returns
+    the outputs, one per page array, then the new block table."""
+    combined = len(caches) == 1
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
     outs = None
     if out is not None:
         outs = tuple(out)
-        if len(outs) != (2 if combined else 3):
+        if len(outs) != len(caches) + 1:
             names = ("(kv_pages, new_block_table)" if combined
                      else "(key_pages, value_pages, new_block_table)")
             raise ValueError(f"out: expected {names}, got {len(outs)} tensors")
         if isinstance(outs[0], torch.Tensor) and outs[0].dtype != dtype:
             raise TypeError(f"out[0]: expected dtype {dtype} (the dtype argument), got {outs[0].dtype}")
-        if combined:
-            outs = (outs[0], None, outs[1])
+    launcher = _launch.dequantize_pages_combined if combined else _launch.dequantize_pages
     if torch.compiler.is_compiling():
         if check_bounds:
             _launch.host_values(block_table, "block_table")   # raises: no host reads when compiled
         if outs is None:
-            outs = _launch.dequantize_pages(key_cache, value_cache, block_table, key_scale,
-                                            value_scale, dtype, layout, fp8_format, null_page,
-                                            launch=False, key_scale_cache=key_scale_cache,
-                                            value_scale_cache=value_scale_cache, head_dim=head_dim)
+            outs = launcher(*caches, block_table, key_scale, value_scale, dtype, layout,
+                            fp8_format, null_page, launch=False, key_scale_cache=key_scale_cache,
+                            value_scale_cache=value_scale_cache, head_dim=head_dim)
         scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
                                             value_scale_cache)
-        dequantize_pages_op(key_cache, value_cache, block_table, *scales, layout, fp8_format,
-                            null_page, *outs, *scale_caches, head_dim)
-    else:
-        outs = _launch.dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale,
-                                        dtype, layout, fp8_format, null_page, outs,
-                                        key_scale_cache=key_scale_cache,
-                                        value_scale_cache=value_scale_cache, head_dim=head_dim,
-                                        check_bounds=check_bounds)
-    return outs if outs[1] is not None else (outs[0], outs[2])   # no value output: combined
+        op = dequantize_pages_combined_op if combined else dequantize_pages_op
+        op(*caches, block_table, *scales, layout, fp8_format, null_page, *outs, *scale_caches,
+           head_dim)
+        return outs
+    return launcher(*caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
+                    null_page, outs, key_scale_cache=key_scale_cache,
+                    value_scale_cache=value_scale_cache, head_dim=head_dim,
+                    check_bounds=check_bounds)
 
 
 def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
@@ -241,8 +245,8 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
     >>> k[:, 0, 0].tolist(), table.tolist()
     ([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], [[0, 1]])
     """
-    return _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
-                       fp8_format, null_page, out, False, key_scale_cache, value_scale_cache,
+    return _dequantize((key_cache, value_cache), block_table, key_scale, value_scale, dtype,
+                       layout, fp8_format, null_page, out, key_scale_cache, value_scale_cache,
                        head_dim, check_bounds)
 
 
@@ -283,6 +287,6 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
     >>> pages.shape, pages[0, 1, 0, 0].tolist()
     (torch.Size([1, 2, 1, 1, 2]), [-1.0, -1.0])
     """
-    return _dequantize(kv_cache, None, block_table, key_scale, value_scale, dtype, layout,
-                       fp8_format, null_page, out, True, key_scale_cache, value_scale_cache,
-                       head_dim, check_bounds)
+    return _dequantize((kv_cache,), block_table, key_scale, value_scale, dtype, layout,
+                       fp8_format, null_page, out, key_scale_cache, value_scale_cache, head_dim,
+                       check_bounds)

@@ -12,7 +12,9 @@
 Each is used only where a check made here passes -- a self-test of the guards on this torch, the
 source of this Triton's runner making exactly the call made here, the launcher's source being the
 pinned one -- and otherwise the frontend keeps its public path (a metadata key per call, Triton's
-runner), which is correct, just slower. ``bench/NOTES.md`` items 21-22 have the numbers.
+runner), which is correct, just slower: the same bytes, the same errors. A failed check warns
+once per process (:class:`FastPathWarning`, naming the check). ``FP8KV_FAST=0`` in the
+environment (read at import) turns both off. ``bench/NOTES.md`` has the numbers.
 """
 from __future__ import annotations
 
@@ -20,8 +22,29 @@ import functools
 import hashlib
 import inspect
 import operator
+import os
+import warnings
 
 import torch
+
+ENABLED = os.environ.get("FP8KV_FAST", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class FastPathWarning(UserWarning):
+    """A check of a private torch / Triton interface failed: calls take the public path."""
+
+
+_WARNED: set = set()
+
+
+def warn_fallback(check: str, why: str) -> None:
+    """Say once per process that ``check`` failed and the public path serves instead."""
+    if check in _WARNED:
+        return
+    _WARNED.add(check)
+    warnings.warn(f"fp8kv: fast-path check {check!r} failed ({why}); repeated calls take the "
+                  "public path (correct, a few microseconds slower). FP8KV_FAST=0 turns the fast "
+                  "path off.", FastPathWarning, stacklevel=3)
 
 
 @functools.cache
@@ -45,9 +68,13 @@ def _tensor_guard():
                    check(guard, a, torch.zeros(3, dtype=torch.int64)),
                    check(guard, a, b.to("meta")))
         ok = all(s is True for s in same) and not any(changed)
-        return (make, check) if ok else None
-    except Exception:  # not there, or another signature: the public path serves
+        why = "their self-test gave other answers"
+    except Exception as e:  # not there, or another signature: the public path serves
+        ok, why = False, f"{type(e).__name__}: {e}"
+    if not ok:
+        warn_fallback("torch_tensor_guards", f"torch {torch.__version__}'s TensorGuards: {why}")
         return None
+    return make, check
 
 
 def _getter(indices):
@@ -77,14 +104,15 @@ class LastCall:
     """
 
     __slots__ = ("options", "types", "others_of", "others", "tensors_of", "alias_of", "source_of",
-                 "guard", "check", "device", "pointers", "new_of", "launch", "new_outputs")
+                 "guard", "check", "device", "pointers", "launch", "new_outputs")
 
     @classmethod
-    def make(cls, args: tuple, options, ready, operands_of, new_outputs=()) -> "LastCall | None":
-        """``operands_of(args, outs)``: the op's kernel operands (``ready``'s order) from its
-        arguments; ``outs`` is None, or for an op that allocates its outputs on each call the
-        new outputs (``new_outputs``: which of them exist, e.g. no value output for a combined
-        cache)."""
+    def make(cls, args: tuple, options, ready, new_count: int = 0) -> "LastCall | None":
+        """A LastCall of ``ready`` (a ``_ReadyLaunch``, whose ``positions`` say which of the
+        call's values each kernel array takes: its arguments, then ``new_count`` new outputs of an
+        op that allocates them on each call)."""
+        if not ENABLED:
+            return None
         guard = _tensor_guard()
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if guard is None or not tensors or _misaligned(tensors):
@@ -94,17 +122,11 @@ class LastCall:
             if isinstance(a, torch.Tensor):
                 j = first.setdefault(id(a), i)
                 (distinct if j == i else aliases).append((i, j))
-        # Stand-ins, one per distinct tensor, find each operand's place among the values a call
-        # passes: its distinct tensors' values, then its new outputs'.
-        stand = list(args)
-        for i, _ in distinct:
-            stand[i] = torch.empty(0)
-        for i, j in aliases:
-            stand[i] = stand[j]
-        outs = tuple(torch.empty(0) if exists else None for exists in new_outputs) or None
-        places = [stand[i] for i, _ in distinct] + [o for o in outs or () if o is not None]
-        positions = [next(k for k, p in enumerate(places) if p is op)
-                     for op in operands_of(tuple(stand), outs)]
+        # Each kernel array's place among the values a matched call passes: its distinct
+        # tensors' values, then its new outputs'.
+        slot_of = {i: k for k, (i, _) in enumerate(distinct)}
+        places = [slot_of[first[id(args[p])]] if p < len(args) else len(distinct) + p - len(args)
+                  for p in ready.positions]
         last = cls()
         last.options, last.types = options, tuple(map(type, args))
         last.new_outputs = ready.new_outputs
@@ -117,8 +139,8 @@ class LastCall:
         last.guard = make([args[i] for i, _ in distinct])
         last.device = tensors[0].get_device() if tensors[0].is_cuda else None
         last.pointers = ready.pointers
-        last.new_of = _getter([k for k, o in enumerate(outs or ()) if o is not None])
-        select, consts, runner = ready.selector(positions, len(places)), ready.consts, ready.runner
+        select = ready.selector(places, len(distinct) + new_count)
+        consts, runner = ready.consts, ready.runner
         last.launch = lambda values: runner(*select(values + consts))
         return last
 
@@ -141,7 +163,6 @@ class LastCall:
 
     def new_values(self, outs: tuple) -> tuple:
         """The values of an allocating call's new outputs, to append to :meth:`match`'s."""
-        outs = self.new_of(outs)
         return tuple(map(torch.Tensor.data_ptr, outs)) if self.pointers else outs
 
 
@@ -188,8 +209,12 @@ def _launcher_matches(launcher_class) -> bool:
 def _c_launch(run):
     """``run``'s C launch function and its two launch flags, where calling that function is all
     that ``run`` would do for this kernel (the pinned source, no scratch buffers); else None."""
-    if (not _launcher_matches(type(run)) or getattr(run, "global_scratch_size", 1)
-            or getattr(run, "profile_scratch_size", 1)):
+    if not _launcher_matches(type(run)):
+        import triton
+        warn_fallback("triton_c_launcher", f"Triton {triton.__version__}'s launcher is not the "
+                      "pinned 3.6 source; its launcher object is called instead")
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
         return None
     return run.launch, run.launch_cooperative_grid, run.launch_pdl
 
@@ -197,8 +222,13 @@ def _c_launch(run):
 def direct_launcher(compiled, grid: tuple, device_index: int):
     """``launch(*args)`` for a compiled kernel on ``device_index``, or None where the check
     fails. While a launch hook is registered (a profiler), it goes through Triton's runner."""
+    if not ENABLED:
+        return None
     raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # Triton's own getter
     if raw_stream is None or not _runner_matches(type(compiled)):
+        import triton
+        warn_fallback("triton_runner", f"torch {torch.__version__} / Triton {triton.__version__}: "
+                      "no raw-stream getter, or the compiled kernel's runner makes another call")
         return None
     from triton import knobs
 

@@ -1,4 +1,9 @@
-"""torch.library custom ops: what torch.compile sees. Eager calls skip the dispatcher."""
+"""torch.library custom ops: what torch.compile sees. Eager calls skip the dispatcher.
+
+One op per public function (``fp8kv::write_kv``, ``fp8kv::write_kv_combined``,
+``fp8kv::dequantize_pages``, ``fp8kv::dequantize_pages_combined``): a combined cache is its own
+op with its own argument, never a missing one.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -22,60 +27,103 @@ def split_scales(key_scale, value_scale, key_scale_cache, value_scale_cache) -> 
     return (ks, vs, ksv, vsv), (ksc, vsc, ksi, vsi)
 
 
-def join_scale(tensor, value):
-    return tensor if tensor is not None else value
-
-
-def join_scale_cache(tensor, inline):
-    return "inline" if inline else tensor
+def _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
+            value_scale_cache, key_scale_inline, value_scale_inline) -> dict:
+    """The launcher's scale arguments from an op's split ones (:func:`split_scales`)."""
+    return dict(key_scale=key_scale if key_scale is not None else key_scale_value,
+                value_scale=value_scale if value_scale is not None else value_scale_value,
+                key_scale_cache="inline" if key_scale_inline else key_scale_cache,
+                value_scale_cache="inline" if value_scale_inline else value_scale_cache)
 
 
 # No defaults in the ops' schemas: torch (2.11) drops trailing default arguments when it
 # redispatches, and then cannot find a mutated one by position. Every caller passes every argument.
 def _write_kv(launch: bool):
     """The write op's implementation (``launch``) or its fake (validation only): one body."""
-    def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Optional[Tensor],
+    def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
                  slots: Tensor, key_scale: Optional[Tensor], value_scale: Optional[Tensor],
                  key_scale_value: Optional[float], value_scale_value: Optional[float],
                  layout: str, fp8_format: Optional[str], key_scale_cache: Optional[Tensor],
                  value_scale_cache: Optional[Tensor], key_scale_inline: bool,
                  value_scale_inline: bool, scale_rounding: str) -> None:
-        _launch.write_kv(key, value, key_cache, value_cache, slots,
-                         join_scale(key_scale, key_scale_value),
-                         join_scale(value_scale, value_scale_value), layout, fp8_format,
-                         launch=launch,
-                         key_scale_cache=join_scale_cache(key_scale_cache, key_scale_inline),
-                         value_scale_cache=join_scale_cache(value_scale_cache, value_scale_inline),
-                         scale_rounding=scale_rounding)
+        s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
+                    value_scale_cache, key_scale_inline, value_scale_inline)
+        _launch.write_kv(key, value, key_cache, value_cache, slots, s["key_scale"],
+                         s["value_scale"], layout, fp8_format, launch=launch,
+                         key_scale_cache=s["key_scale_cache"],
+                         value_scale_cache=s["value_scale_cache"], scale_rounding=scale_rounding)
     return write_kv
+
+
+def _write_kv_combined(launch: bool):
+    def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor,
+                          key_scale: Optional[Tensor], value_scale: Optional[Tensor],
+                          key_scale_value: Optional[float], value_scale_value: Optional[float],
+                          layout: str, fp8_format: Optional[str],
+                          key_scale_cache: Optional[Tensor], value_scale_cache: Optional[Tensor],
+                          key_scale_inline: bool, value_scale_inline: bool,
+                          scale_rounding: str) -> None:
+        s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
+                    value_scale_cache, key_scale_inline, value_scale_inline)
+        _launch.write_kv_combined(key, value, kv_cache, slots, s["key_scale"], s["value_scale"],
+                                  layout, fp8_format, launch=launch,
+                                  key_scale_cache=s["key_scale_cache"],
+                                  value_scale_cache=s["value_scale_cache"],
+                                  scale_rounding=scale_rounding)
+    return write_kv_combined
 
 
 def _dequantize_pages(launch: bool):
     """The dequantize op's implementation (``launch``) or its fake (validation only)."""
-    def dequantize_pages(key_cache: Tensor, value_cache: Optional[Tensor], block_table: Tensor,
+    def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                          key_scale: Optional[Tensor], value_scale: Optional[Tensor],
                          key_scale_value: Optional[float], value_scale_value: Optional[float],
                          layout: str, fp8_format: Optional[str], null_page: Optional[int],
-                         key_out: Tensor, value_out: Optional[Tensor], table_out: Tensor,
+                         key_out: Tensor, value_out: Tensor, table_out: Tensor,
                          key_scale_cache: Optional[Tensor], value_scale_cache: Optional[Tensor],
                          key_scale_inline: bool, value_scale_inline: bool,
                          head_dim: Optional[int]) -> None:
-        _launch.dequantize_pages(
-            key_cache, value_cache, block_table, join_scale(key_scale, key_scale_value),
-            join_scale(value_scale, value_scale_value), key_out.dtype, layout, fp8_format,
-            null_page, (key_out, value_out, table_out), launch=launch,
-            key_scale_cache=join_scale_cache(key_scale_cache, key_scale_inline),
-            value_scale_cache=join_scale_cache(value_scale_cache, value_scale_inline),
-            head_dim=head_dim)
+        s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
+                    value_scale_cache, key_scale_inline, value_scale_inline)
+        _launch.dequantize_pages(key_cache, value_cache, block_table, s["key_scale"],
+                                 s["value_scale"], key_out.dtype, layout, fp8_format, null_page,
+                                 (key_out, value_out, table_out), launch=launch,
+                                 key_scale_cache=s["key_scale_cache"],
+                                 value_scale_cache=s["value_scale_cache"], head_dim=head_dim)
     return dequantize_pages
 
 
-write_kv_op = torch.library.custom_op(
-    "fp8kv::write_kv", mutates_args=("key_cache", "value_cache", "key_scale_cache",
-                                     "value_scale_cache"))(_write_kv(launch=True))
-write_kv_op.register_fake(_write_kv(launch=False))
+def _dequantize_pages_combined(launch: bool):
+    def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor,
+                                  key_scale: Optional[Tensor], value_scale: Optional[Tensor],
+                                  key_scale_value: Optional[float],
+                                  value_scale_value: Optional[float], layout: str,
+                                  fp8_format: Optional[str], null_page: Optional[int],
+                                  kv_out: Tensor, table_out: Tensor,
+                                  key_scale_cache: Optional[Tensor],
+                                  value_scale_cache: Optional[Tensor], key_scale_inline: bool,
+                                  value_scale_inline: bool, head_dim: Optional[int]) -> None:
+        s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
+                    value_scale_cache, key_scale_inline, value_scale_inline)
+        _launch.dequantize_pages_combined(kv_cache, block_table, s["key_scale"],
+                                          s["value_scale"], kv_out.dtype, layout, fp8_format,
+                                          null_page, (kv_out, table_out), launch=launch,
+                                          key_scale_cache=s["key_scale_cache"],
+                                          value_scale_cache=s["value_scale_cache"],
+                                          head_dim=head_dim)
+    return dequantize_pages_combined
 
-dequantize_pages_op = torch.library.custom_op(
-    "fp8kv::dequantize_pages",
-    mutates_args=("key_out", "value_out", "table_out"))(_dequantize_pages(launch=True))
-dequantize_pages_op.register_fake(_dequantize_pages(launch=False))
+
+def _op(name: str, make, mutates: tuple):
+    op = torch.library.custom_op(f"fp8kv::{name}", mutates_args=mutates)(make(launch=True))
+    op.register_fake(make(launch=False))
+    return op
+
+
+_SCALE_CACHES = ("key_scale_cache", "value_scale_cache")
+write_kv_op = _op("write_kv", _write_kv, ("key_cache", "value_cache") + _SCALE_CACHES)
+write_kv_combined_op = _op("write_kv_combined", _write_kv_combined, ("kv_cache",) + _SCALE_CACHES)
+dequantize_pages_op = _op("dequantize_pages", _dequantize_pages,
+                          ("key_out", "value_out", "table_out"))
+dequantize_pages_combined_op = _op("dequantize_pages_combined", _dequantize_pages_combined,
+                                   ("kv_out", "table_out"))

@@ -12,6 +12,7 @@ from tests.cases import DEQUANT_CASES, WRITE_CASES
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import BoundCall, bind, check_names, signature
+from fp8kv.operands import dequantize_operands, write_operands
 from fp8kv.ops._dual import jit
 from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
 from fp8kv.validate import check_dequantize, check_write, dequantized_shape
@@ -23,7 +24,7 @@ DEQUANT_ARRAYS = ("key_cache_ptr", "value_cache_ptr", "table_ptr", "key_scale_pt
                   "value_scale_ptr", "key_out_ptr", "value_out_ptr", "new_table_ptr")
 
 
-def _write_plan(case, backend, combined=False):
+def _write_args(case, combined=False):
     x = ArrayInfo.contiguous((case.tokens, case.heads, case.head_dim), case.dtype, "cuda:0")
     shape = case.cache_shape
     slots = ArrayInfo.contiguous((case.tokens,), case.slots, "cuda:0")
@@ -35,14 +36,26 @@ def _write_plan(case, backend, combined=False):
         cache = ArrayInfo.contiguous(shape, case.cache_dtype, "cuda:0")
         args = check_write(x, x, cache, cache, slots, 0.5, 2.0, layout=case.api_layout,
                            fp8_format=case.fp8_format)
-    return plan_write(args, backend)
+    return args
+
+
+def _write_plan(case, backend, combined=False):
+    return plan_write(_write_args(case, combined), backend)
+
+
+def _dequant_args(case, combined=False):
+    cache = ArrayInfo.contiguous(case.cache_shape, case.cache_dtype, "cuda:0")
+    table = ArrayInfo.contiguous((case.batch, case.pages_per_seq), "int32", "cuda:0")
+    caches = (dict(kv_cache=ArrayInfo.contiguous((cache.shape[0], 2) + cache.shape[1:],
+                                                 cache.dtype, "cuda:0"))
+              if combined else dict(key_cache=cache, value_cache=cache))
+    return check_dequantize(**caches, block_table=table, value_scale=0.5, dtype=case.out,
+                            layout=case.api_layout, fp8_format=case.fp8_format,
+                            null_page=case.null_page)
 
 
 def _dequant_plan(case, backend, combined=False):
-    cache = ArrayInfo.contiguous(case.cache_shape, case.cache_dtype, "cuda:0")
-    table = ArrayInfo.contiguous((case.batch, case.pages_per_seq), "int32", "cuda:0")
-    args = check_dequantize(cache, cache, table, None, 0.5, dtype=case.out, layout=case.api_layout,
-                            fp8_format=case.fp8_format, null_page=case.null_page)
+    args = _dequant_args(case, combined)
     out = ArrayInfo.contiguous(dequantized_shape(args, combined), case.out, "cuda:0")
     return plan_dequantize(args, out, None if combined else out, backend)
 
@@ -83,9 +96,9 @@ def test_a_plan_that_drifts_from_the_kernel_fails_by_name():
     plan = _write_plan(WRITE_CASES[0], CUDA)
     arrays = dict.fromkeys(WRITE_ARRAYS)
     renamed = dict(plan.scalars)
-    renamed["stride_k_token"] = renamed.pop("stride_key_token")
-    with pytest.raises(TypeError, match=r"no scalar for \['stride_key_token'\].*"
-                                        r"scalars \['stride_k_token'\] are not parameters"):
+    renamed["n_slots"] = renamed.pop("num_slots")
+    with pytest.raises(TypeError, match=r"no scalar for \['num_slots'\].*"
+                                        r"scalars \['n_slots'\] are not parameters"):
         bind(ops._write_kv_kernel, LaunchPlan(plan.grid, plan.num_warps, renamed, plan.constexprs),
              arrays)
     extra = {**plan.constexprs, "UNUSED": 1}
@@ -159,3 +172,47 @@ def test_write_offsets_are_int64_only_past_int32_reach(backend):
     assert not plan(scale_stride=2)
     assert not plan(scale_stride=2 ** 21)            # slot 1023 of the side scales: below 2**31
     assert plan(scale_stride=2 ** 22)                # ... past it
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+def test_the_operand_maps_name_every_kernel_array_once(combined):
+    """The core's operand map (what both frontends launch from) names each array parameter of
+    the kernel once, in the kernel's order; written outputs alias the input holding the same
+    argument; a combined cache is one argument, read twice and written once."""
+    for case in WRITE_CASES:
+        args = _write_args(case, combined)
+        operands = write_operands(args)
+        sig = signature(ops._write_kv_kernel)
+        assert tuple(o.param for o in operands.inputs) == sig.inputs
+        assert tuple(o.param for o in operands.outputs) == sig.outputs
+        by_param = {o.param: o for o in operands.params}
+        for o in operands.outputs:
+            if o.aliases:
+                assert by_param[o.aliases].source == o.source
+        cache = "kv_cache" if combined else "key_cache"
+        assert by_param["key_cache_ptr"].source == cache
+        assert operands.updated == ((cache,) if combined else ("key_cache", "value_cache"))
+        assert not by_param["value_cache_out_ptr"].used if combined else True
+        assert not by_param["key_scale_ptr"].used    # host scales: nothing read
+    for case in DEQUANT_CASES:
+        operands = dequantize_operands(_dequant_args(case, combined))
+        sig = signature(ops._dequantize_pages_kernel)
+        assert tuple(o.param for o in operands.params) == sig.inputs + sig.outputs
+        assert operands.updated == ()
+        assert operands.new_outputs == (("kv_out", "table_out") if combined
+                                        else ("key_out", "value_out", "table_out"))
+
+
+def test_device_and_side_scales_are_read_through_the_scale_parameter():
+    x = ArrayInfo.contiguous((5, 3, 80), "bfloat16", "cuda:0")
+    cache = ArrayInfo.contiguous((4, 16, 3, 80), "uint8", "cuda:0")
+    slots = ArrayInfo.contiguous((5,), "int32", "cuda:0")
+    tensor = ArrayInfo.contiguous((3,), "float32", "cuda:0")
+    side = ArrayInfo.contiguous((4, 16, 3), "float32", "cuda:0")
+    args = check_write(x, x, cache, cache, slots, tensor, None, layout="NHD", fp8_format=None,
+                       value_scale_cache=side)
+    by_param = {o.param: o for o in write_operands(args).params}
+    assert by_param["key_scale_ptr"].source == "key_scale" and by_param["key_scale_ptr"].used
+    assert not by_param["key_scale_out_ptr"].used
+    assert by_param["value_scale_ptr"].source == "value_scale_cache"
+    assert by_param["value_scale_out_ptr"].aliases == "value_scale_ptr"

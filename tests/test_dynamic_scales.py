@@ -425,7 +425,7 @@ def test_gpu_fast_path_on_all_inputs_below_the_amax(fmt, amax, granularity, roun
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_gpu_fast_scale_on_every_amax(fmt):
     """The fast path's scale (``amax / fmax`` by a constant reciprocal and FMA corrections,
-    fp8_math.dynamic_scale) equals the exact path's ``div_rn`` for every finite fp32 amax and
+    codec.dynamic_scale) equals the exact path's ``div_rn`` for every finite fp32 amax and
     inf: each head row is [amax, 0, ...]."""
     heads, head_dim, chunk = 8, 16, 1 << 25
     for start in range(0, 0x7F800001, chunk):

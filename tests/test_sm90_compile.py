@@ -17,6 +17,8 @@ from tests.cases import DEQUANT_CASES, WRITE_CASES, scale_values
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import bind
+from fp8kv.operands import dequantize_operands, write_operands
+from fp8kv.modes import ScaleKind
 from fp8kv.plan import CUDA, plan_dequantize, plan_write
 from fp8kv.validate import check_dequantize, check_write, dequantized_shape
 
@@ -58,15 +60,18 @@ def compile_for_hopper(kernel, arrays: dict, plan, int_divisibility=True):
                                                           enable_fp_fusion=plan.enable_fp_fusion))
 
 
-def write_arrays(x, cache, slots, scale):
-    return dict(key_ptr=x, value_ptr=x, key_cache_ptr=cache, value_cache_ptr=cache, slot_ptr=slots,
-                key_scale_ptr=scale, value_scale_ptr=scale, key_cache_out_ptr=cache,
-                value_cache_out_ptr=cache, key_scale_out_ptr=scale, value_scale_out_ptr=scale)
+def write_arrays(args, x, cache, slots, scale):
+    """Each array parameter's dtype, through the core's operand map (what the frontends do)."""
+    return write_operands(args).arrays(dict(
+        key=x, value=x, key_cache=cache, value_cache=cache, kv_cache=cache, slots=slots,
+        key_scale=scale, value_scale=scale, key_scale_cache=scale, value_scale_cache=scale))
 
 
-def dequant_arrays(cache, table, scale, out):
-    return dict(key_cache_ptr=cache, value_cache_ptr=cache, table_ptr=table, key_scale_ptr=scale,
-                value_scale_ptr=scale, key_out_ptr=out, value_out_ptr=out, new_table_ptr="int32")
+def dequant_arrays(args, cache, table, scale, out):
+    return dequantize_operands(args).arrays(dict(
+        key_cache=cache, value_cache=cache, kv_cache=cache, block_table=table, key_scale=scale,
+        value_scale=scale, key_scale_cache=scale, value_scale_cache=scale, key_out=out,
+        value_out=out, kv_out=out, table_out="int32"))
 
 
 def scale_arg(kind, heads):
@@ -101,12 +106,12 @@ def test_write_kernel_compiles_for_sm90(case, exact):
     plan = plan_write(args, CUDA, exact)
     scale_dtype = "float32" if isinstance(ks, ArrayInfo) else case.slots
     found = ptx_ops(compile_for_hopper(
-        ops._write_kv_kernel, write_arrays(case.dtype, case.cache_dtype, case.slots, scale_dtype),
-        plan))
+        ops._write_kv_kernel,
+        write_arrays(args, case.dtype, case.cache_dtype, case.slots, scale_dtype), plan))
     assert "ftz" not in " ".join(found)
     if not exact:  # the fast path relies on the saturating conversion (no clamp of its own)
         assert any(op.startswith("cvt.rn.satfinite") for op in found)
-    if args.key_scale_mode:
+    if args.key_scale.kind is not ScaleKind.NONE:
         assert "div.rn.f32" in found
     if case.dtype == "bfloat16" and case.layout == "NHD" and case.head_dim % 64 == 0 and not exact:
         # vector loads of K/V rows (8 bytes for small batches' 8-warp programs, else 16)
@@ -119,9 +124,9 @@ def test_write_combined_kernel_compiles_for_sm90():
     slots = ArrayInfo.contiguous((64,), "int64", "cuda:0")
     args = check_write(x, x, None, None, slots, 0.5, 0.5, layout="NHD", fp8_format=None, kv_cache=kv)
     plan = plan_write(args, CUDA)
-    assert plan.constexprs["SHARED_OUT"] and plan.scalars["value_cache_offset"] == 16 * 8 * 128
+    assert plan.constexprs["SHARED_OUT"] and plan.constexprs["VALUE_CACHE_OFFSET"] == 16 * 8 * 128
     compile_for_hopper(ops._write_kv_kernel,
-                       write_arrays("bfloat16", "float8_e4m3fn", "int64", "int64"), plan)
+                       write_arrays(args, "bfloat16", "float8_e4m3fn", "int64", "int64"), plan)
 
 
 @pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
@@ -131,14 +136,18 @@ def test_dequantize_kernel_compiles_for_sm90(case, exact, combined):
     cache = ArrayInfo.contiguous(case.cache_shape, case.cache_dtype, "cuda:0")
     table = ArrayInfo.contiguous((case.batch, case.pages_per_seq), "int32", "cuda:0")
     ks = scale_arg(case.scale, case.heads)
-    args = check_dequantize(cache, cache, table, ks, ks, dtype=case.out, layout=case.api_layout,
-                            fp8_format=case.fp8_format, null_page=case.null_page)
+    caches = (dict(kv_cache=ArrayInfo.contiguous((cache.shape[0], 2) + cache.shape[1:],
+                                                 cache.dtype, "cuda:0"))
+              if combined else dict(key_cache=cache, value_cache=cache))
+    args = check_dequantize(**caches, block_table=table, key_scale=ks, value_scale=ks,
+                            dtype=case.out, layout=case.api_layout, fp8_format=case.fp8_format,
+                            null_page=case.null_page)
     out = ArrayInfo.contiguous(dequantized_shape(args, combined), case.out, "cuda:0")
     plan = plan_dequantize(args, out, None if combined else out, CUDA, exact)
     scale_dtype = "float32" if isinstance(ks, ArrayInfo) else "int32"
     found = ptx_ops(compile_for_hopper(
         ops._dequantize_pages_kernel,
-        dequant_arrays(case.cache_dtype, "int32", scale_dtype, case.out), plan))
+        dequant_arrays(args, case.cache_dtype, "int32", scale_dtype, case.out), plan))
     assert "ftz" not in " ".join(found)
 
 
@@ -146,17 +155,20 @@ def test_dequantize_kernel_compiles_for_sm90(case, exact, combined):
 def test_default_shapes_get_16_byte_accesses(int_divisibility):
     """8 heads x 128, page 16, bf16: 16-byte loads and stores, also where jax-triton launches.
 
-    The plan's alignment constexprs (``tl.multiple_of``) carry what the integer specialization
-    would; without them the jax-triton build fell back to byte stores (H200: 137 us vs 100 us).
+    Strides are constexprs, so the compiler proves alignment and contiguity itself where
+    jax-triton gives integers no divisibility hints (a build without such proofs fell back to
+    byte stores: H200 137 us vs 100 us).
     """
     x = ArrayInfo.contiguous((4096, 8, 128), "bfloat16", "cuda:0")
     cache = ArrayInfo.contiguous((300, 16, 8, 128), "float8_e4m3fn", "cuda:0")
     slots = ArrayInfo.contiguous((4096,), "int32", "cuda:0")
     scale = ArrayInfo.contiguous((), "float32", "cuda:0")
-    plan = plan_write(check_write(x, x, cache, cache, slots, scale, scale, layout="NHD",
-                                  fp8_format=None), CUDA)
+    plan_args = check_write(x, x, cache, cache, slots, scale, scale, layout="NHD",
+                            fp8_format=None)
+    plan = plan_write(plan_args, CUDA)
     found = ptx_ops(compile_for_hopper(
-        ops._write_kv_kernel, write_arrays("bfloat16", "float8_e4m3fn", "int32", "float32"), plan,
+        ops._write_kv_kernel,
+        write_arrays(plan_args, "bfloat16", "float8_e4m3fn", "int32", "float32"), plan,
         int_divisibility))
     assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, found
 
@@ -166,8 +178,9 @@ def test_default_shapes_get_16_byte_accesses(int_divisibility):
     out = ArrayInfo.contiguous(dequantized_shape(args, False), "bfloat16", "cuda:0")
     plan = plan_dequantize(args, out, out, CUDA)
     found = ptx_ops(compile_for_hopper(
-        ops._dequantize_pages_kernel, dequant_arrays("float8_e4m3fn", "int32", "float32", "bfloat16"),
-        plan, int_divisibility))
+        ops._dequantize_pages_kernel,
+        dequant_arrays(args, "float8_e4m3fn", "int32", "float32", "bfloat16"), plan,
+        int_divisibility))
     assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, found
 
 
@@ -215,12 +228,12 @@ def test_dynamic_scale_kernels_compile_for_sm90(variant, exact):
     args, dargs, cache_dtype, scale_dtype = _dynamic_args(variant)
     plan = plan_write(args, CUDA, exact)
     found = ptx_ops(compile_for_hopper(
-        ops._write_kv_kernel, write_arrays(variant[0], cache_dtype, "int64", scale_dtype), plan))
+        ops._write_kv_kernel, write_arrays(args, variant[0], cache_dtype, "int64", scale_dtype), plan))
     assert "ftz" not in " ".join(found)
     assert "div.rn.f32" in found   # amax / fmax and x / s: IEEE division
     out = ArrayInfo.contiguous(dequantized_shape(dargs, False), "bfloat16", "cuda:0")
     dplan = plan_dequantize(dargs, out, out, CUDA, exact)
     found = ptx_ops(compile_for_hopper(
-        ops._dequantize_pages_kernel, dequant_arrays(cache_dtype, "int32", scale_dtype, "bfloat16"),
+        ops._dequantize_pages_kernel, dequant_arrays(dargs, cache_dtype, "int32", scale_dtype, "bfloat16"),
         dplan))
     assert "ftz" not in " ".join(found)

@@ -241,7 +241,7 @@ def test_gpu_cache_beyond_2_31_elements(layout):
 
 @pytest.fixture
 def reciprocal_division():
-    """Plan writes with the reciprocal division (fp8kv.ops.fp8_math.divide) for one test."""
+    """Plan writes with the reciprocal division (fp8kv.ops.codec.divide) for one test."""
     from fp8kv import plan
     from fp8kv_torch._launch import clear_launch_caches
     sizes = plan.WRITE_SIZES["cuda"]

@@ -6,31 +6,32 @@ of page ``block_table.flat[i]`` from the K and V caches and writes it to output 
 that are padding (< 0, == null_page, or past the cache) get zeros, so every output element is
 written. The chunk-0 program of entry ``i`` also writes ``new_block_table.flat[i] = i``. The numpy
 twin is :func:`fp8kv.reference.dequantize_pages`; :func:`fp8kv.plan.plan_dequantize` names every
-argument.
+argument and :func:`fp8kv.operands.dequantize_operands` says which array each pointer takes.
 
 Parameters follow jax-triton's order (input arrays, scalars, outputs, constexprs), bound by name
-as in ``write_kv``. A combined ``[num_pages, 2, ...]`` cache is passed as both cache operands with
-V ``value_cache_offset`` elements in; a combined output holds V ``value_out_offset`` elements after
-K and, with ``SHARED_OUT``, is written through the K output pointer alone (jax-triton gives each
-buffer one output).
+as in ``write_kv``; strides are constexprs (``STRIDE_<array>_<dim>``). A combined
+``[num_pages, 2, ...]`` cache is passed as both cache operands with V ``VALUE_CACHE_OFFSET``
+elements in; a combined output holds V ``VALUE_OUT_OFFSET`` elements after K and, with
+``SHARED_OUT``, is written through the K output pointer alone (jax-triton gives each buffer one
+output).
 
-Static scales take flat chunks (:func:`_dequantize_flat`). Dynamic scales (``K_SCALE_MODE`` /
-``V_SCALE_MODE`` TOKEN or TOKEN_HEAD, plan constexpr ``ROWWISE``) take ``[ROWS, BLOCK_D]`` tiles
-of whole head rows (:func:`_dequantize_rows`): each row's scale is read once, from a side array
-(``*_scale_ptr`` with the ``stride_*sc_*`` strides; per token its head stride is 0) or, with
+Static scales take flat chunks (:func:`_dequantize_flat`). Dynamic scales (``K_DYNAMIC`` /
+``V_DYNAMIC`` TOKEN or TOKEN_HEAD, plan constexpr ``ROWWISE``) take ``[ROWS, BLOCK_D]`` tiles of
+whole head rows (:func:`_dequantize_rows`): each row's scale is read once, from a side array
+(``*_scale_ptr`` with the ``STRIDE_*SC_*`` strides; per token its head stride is 0) or, with
 ``INLINE_PAD``, from the 4 little-endian bytes after the row's ``HEAD_DIM`` codes; then
 ``CHUNKS = cdiv(page_size * num_heads, ROWS)``.
 """
 import triton.language as tl
 
 from ._dual import jit
-from .fp8_math import (OUT_FLOAT32, SCALE_HEAD, SCALE_NONE, SCALE_TOKEN, fp8_code_to_fp32,
-                       fp32_to_output_bits, load_scale)
+from .codec import OUT_FLOAT32, SCALE_HEAD, SCALE_NONE, decode, fp32_to_output_bits, load_scale
 
 
 @jit
-def _page_offsets(j, stride_slot, stride_head, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, HND: tl.constexpr, PACKED: tl.constexpr):
+def _page_offsets(j, STRIDE_SLOT: tl.constexpr, STRIDE_HEAD: tl.constexpr,
+                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  HND: tl.constexpr, PACKED: tl.constexpr):
     """Element offsets within a page for flat layout-order indices ``j``."""
     if PACKED:
         off = j
@@ -42,7 +43,7 @@ def _page_offsets(j, stride_slot, stride_head, NUM_HEADS: tl.constexpr, HEAD_DIM
         else:
             s = j // (NUM_HEADS * HEAD_DIM)
             h = (j // HEAD_DIM) % NUM_HEADS
-        off = s.to(tl.int64) * stride_slot + h.to(tl.int64) * stride_head + d
+        off = s.to(tl.int64) * STRIDE_SLOT + h.to(tl.int64) * STRIDE_HEAD + d
     return off
 
 
@@ -50,19 +51,22 @@ def _page_offsets(j, stride_slot, stride_head, NUM_HEADS: tl.constexpr, HEAD_DIM
 def _dequantize_pages_kernel(
     key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
     pages_per_seq, stride_table_seq, stride_table_page, num_pages, null_page,
-    stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
-    value_cache_offset,
-    stride_ko_page, stride_ko_slot, stride_ko_head, stride_vo_page, stride_vo_slot, stride_vo_head,
-    value_out_offset, key_scale_value, value_scale_value,
-    stride_ksc_page, stride_ksc_slot, stride_ksc_head, stride_vsc_page, stride_vsc_slot,
-    stride_vsc_head,
+    key_scale_value, value_scale_value,
     key_out_ptr, value_out_ptr, new_table_ptr,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HND: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ROWWISE: tl.constexpr, INLINE_PAD: tl.constexpr,
-    K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr,
-    E5M2: tl.constexpr, OUT_KIND: tl.constexpr, EXACT: tl.constexpr, HAS_NULL_PAGE: tl.constexpr,
-    IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, IN_ALIGN: tl.constexpr,
-    OUT_ALIGN: tl.constexpr, SHARED_OUT: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    STRIDE_KC_PAGE: tl.constexpr, STRIDE_KC_SLOT: tl.constexpr, STRIDE_KC_HEAD: tl.constexpr,
+    STRIDE_VC_PAGE: tl.constexpr, STRIDE_VC_SLOT: tl.constexpr, STRIDE_VC_HEAD: tl.constexpr,
+    VALUE_CACHE_OFFSET: tl.constexpr,
+    STRIDE_KSC_PAGE: tl.constexpr, STRIDE_KSC_SLOT: tl.constexpr, STRIDE_KSC_HEAD: tl.constexpr,
+    STRIDE_VSC_PAGE: tl.constexpr, STRIDE_VSC_SLOT: tl.constexpr, STRIDE_VSC_HEAD: tl.constexpr,
+    STRIDE_KO_PAGE: tl.constexpr, STRIDE_KO_SLOT: tl.constexpr, STRIDE_KO_HEAD: tl.constexpr,
+    STRIDE_VO_PAGE: tl.constexpr, STRIDE_VO_SLOT: tl.constexpr, STRIDE_VO_HEAD: tl.constexpr,
+    VALUE_OUT_OFFSET: tl.constexpr,
+    FORMAT: tl.constexpr, K_SCALE: tl.constexpr, K_DYNAMIC: tl.constexpr,
+    V_SCALE: tl.constexpr, V_DYNAMIC: tl.constexpr, INLINE_PAD: tl.constexpr,
+    HND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ROWWISE: tl.constexpr,
+    OUT_KIND: tl.constexpr, HAS_NULL_PAGE: tl.constexpr, IN_PACKED: tl.constexpr,
+    OUT_PACKED: tl.constexpr, SHARED_OUT: tl.constexpr, EXACT: tl.constexpr,
 ):
     if ROWWISE:  # [ROWS, BLOCK_D] tiles of whole head rows
         ROWS: tl.constexpr = BLOCK // BLOCK_D
@@ -89,89 +93,95 @@ def _dequantize_pages_kernel(
         value_dst = key_dst
     else:
         value_dst = value_out_ptr.to(tl.pointer_type(bits_ty))
-    # Alignment promises from the plan (see write_kv): keep 16-byte accesses under jax-triton.
-    kc_base = tl.multiple_of(page * stride_kc_page, IN_ALIGN)
-    vc_base = tl.multiple_of(page * stride_vc_page + value_cache_offset, IN_ALIGN)
+    kc = key_cache_ptr.to(tl.pointer_type(tl.uint8)) + page * STRIDE_KC_PAGE
+    vc = value_cache_ptr.to(tl.pointer_type(tl.uint8)) + (page * STRIDE_VC_PAGE
+                                                          + VALUE_CACHE_OFFSET)
+    ko = key_dst + entry * STRIDE_KO_PAGE
+    vo = value_dst + (entry * STRIDE_VO_PAGE + VALUE_OUT_OFFSET)
     if ROWWISE:
-        _dequantize_rows(key_cache_ptr.to(tl.pointer_type(tl.uint8)),
-                         value_cache_ptr.to(tl.pointer_type(tl.uint8)), key_scale_ptr,
-                         value_scale_ptr, key_dst, value_dst, valid, chunk, kc_base, vc_base,
-                         tl.multiple_of(entry * stride_ko_page, OUT_ALIGN),
-                         tl.multiple_of(entry * stride_vo_page + value_out_offset, OUT_ALIGN),
-                         stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
-                         stride_ko_slot, stride_ko_head, stride_vo_slot, stride_vo_head,
-                         page * stride_ksc_page, stride_ksc_slot, stride_ksc_head,
-                         page * stride_vsc_page, stride_vsc_slot, stride_vsc_head,
-                         key_scale_value, value_scale_value, NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND,
-                         ROWS, BLOCK_D, INLINE_PAD, K_SCALE_MODE, V_SCALE_MODE, E5M2, OUT_KIND,
-                         EXACT, IN_ALIGN, OUT_ALIGN)
+        _dequantize_rows(kc, key_scale_ptr + page * STRIDE_KSC_PAGE, key_scale_value, ko,
+                         vc, value_scale_ptr + page * STRIDE_VSC_PAGE, value_scale_value, vo,
+                         valid, chunk,
+                         STRIDE_KC_SLOT=STRIDE_KC_SLOT, STRIDE_KC_HEAD=STRIDE_KC_HEAD,
+                         STRIDE_KSC_SLOT=STRIDE_KSC_SLOT, STRIDE_KSC_HEAD=STRIDE_KSC_HEAD,
+                         STRIDE_KO_SLOT=STRIDE_KO_SLOT, STRIDE_KO_HEAD=STRIDE_KO_HEAD,
+                         STRIDE_VC_SLOT=STRIDE_VC_SLOT, STRIDE_VC_HEAD=STRIDE_VC_HEAD,
+                         STRIDE_VSC_SLOT=STRIDE_VSC_SLOT, STRIDE_VSC_HEAD=STRIDE_VSC_HEAD,
+                         STRIDE_VO_SLOT=STRIDE_VO_SLOT, STRIDE_VO_HEAD=STRIDE_VO_HEAD,
+                         NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, HND=HND,
+                         ROWS=ROWS, BLOCK_D=BLOCK_D, INLINE_PAD=INLINE_PAD, FORMAT=FORMAT,
+                         K_SCALE=K_SCALE, K_DYNAMIC=K_DYNAMIC, V_SCALE=V_SCALE,
+                         V_DYNAMIC=V_DYNAMIC, OUT_KIND=OUT_KIND, EXACT=EXACT)
     else:
-        _dequantize_flat(key_cache_ptr.to(tl.pointer_type(tl.uint8)),
-                         value_cache_ptr.to(tl.pointer_type(tl.uint8)), key_scale_ptr,
-                         value_scale_ptr, key_dst, value_dst, valid, entry, chunk, kc_base,
-                         vc_base, stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
-                         stride_ko_page, stride_ko_slot, stride_ko_head, stride_vo_page,
-                         stride_vo_slot, stride_vo_head, value_out_offset, key_scale_value,
-                         value_scale_value, NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, BLOCK,
-                         K_SCALE_MODE, V_SCALE_MODE, E5M2, OUT_KIND, EXACT, IN_PACKED, OUT_PACKED,
-                         OUT_ALIGN)
+        _dequantize_flat(kc, key_scale_ptr, key_scale_value, ko,
+                         vc, value_scale_ptr, value_scale_value, vo, valid, chunk,
+                         STRIDE_KC_SLOT=STRIDE_KC_SLOT, STRIDE_KC_HEAD=STRIDE_KC_HEAD,
+                         STRIDE_KO_SLOT=STRIDE_KO_SLOT, STRIDE_KO_HEAD=STRIDE_KO_HEAD,
+                         STRIDE_VC_SLOT=STRIDE_VC_SLOT, STRIDE_VC_HEAD=STRIDE_VC_HEAD,
+                         STRIDE_VO_SLOT=STRIDE_VO_SLOT, STRIDE_VO_HEAD=STRIDE_VO_HEAD,
+                         NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, HND=HND,
+                         BLOCK=BLOCK, FORMAT=FORMAT, K_SCALE=K_SCALE, V_SCALE=V_SCALE,
+                         OUT_KIND=OUT_KIND, IN_PACKED=IN_PACKED, OUT_PACKED=OUT_PACKED,
+                         EXACT=EXACT)
     if chunk == 0:
         tl.store(new_table_ptr + entry, entry.to(tl.int32))
 
 
 @jit
-def _dequantize_flat(kc_u8, vc_u8, key_scale_ptr, value_scale_ptr, key_dst, value_dst, valid,
-                     entry, chunk, kc_base, vc_base, stride_kc_slot, stride_kc_head,
-                     stride_vc_slot, stride_vc_head, stride_ko_page, stride_ko_slot,
-                     stride_ko_head, stride_vo_page, stride_vo_slot, stride_vo_head,
-                     value_out_offset, key_scale_value, value_scale_value,
+def _dequantize_flat(kc, key_scale_ptr, key_scale_value, ko, vc, value_scale_ptr,
+                     value_scale_value, vo, valid, chunk,
+                     STRIDE_KC_SLOT: tl.constexpr, STRIDE_KC_HEAD: tl.constexpr,
+                     STRIDE_KO_SLOT: tl.constexpr, STRIDE_KO_HEAD: tl.constexpr,
+                     STRIDE_VC_SLOT: tl.constexpr, STRIDE_VC_HEAD: tl.constexpr,
+                     STRIDE_VO_SLOT: tl.constexpr, STRIDE_VO_HEAD: tl.constexpr,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                     HND: tl.constexpr, BLOCK: tl.constexpr, K_SCALE_MODE: tl.constexpr,
-                     V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr, OUT_KIND: tl.constexpr,
-                     EXACT: tl.constexpr, IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr,
-                     OUT_ALIGN: tl.constexpr):
+                     HND: tl.constexpr, BLOCK: tl.constexpr, FORMAT: tl.constexpr,
+                     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, OUT_KIND: tl.constexpr,
+                     IN_PACKED: tl.constexpr, OUT_PACKED: tl.constexpr, EXACT: tl.constexpr):
     """Static scales: the page as flat ``BLOCK``-element chunks in layout order (contiguous
-    bytes when the page is packed, whatever the head_dim)."""
+    bytes when the page is packed, whatever the head_dim). ``kc``/``ko`` (``vc``/``vo``): the
+    K (V) cache page and output page. Both sides' loads are issued before either is stored."""
     PAGE_ELEMS: tl.constexpr = PAGE_SIZE * NUM_HEADS * HEAD_DIM
     j = chunk * BLOCK + tl.arange(0, BLOCK)
     in_page = j < PAGE_ELEMS
     # Masks must be boolean blocks: a scalar `valid` broadcast into `in_page & valid` arrives in
     # the interpreter as an integer block, which Triton 3.9's interpreter refuses as a mask.
     load_mask = tl.where(valid, in_page, False)
-    kc_off = kc_base + _page_offsets(j, stride_kc_slot, stride_kc_head, NUM_HEADS, HEAD_DIM,
-                                     PAGE_SIZE, HND, IN_PACKED)
-    vc_off = vc_base + _page_offsets(j, stride_vc_slot, stride_vc_head, NUM_HEADS, HEAD_DIM,
-                                     PAGE_SIZE, HND, IN_PACKED)
-    key_codes = tl.load(kc_u8 + kc_off, mask=load_mask, other=0)
-    value_codes = tl.load(vc_u8 + vc_off, mask=load_mask, other=0)
+    key_codes = tl.load(kc + _page_offsets(j, STRIDE_KC_SLOT, STRIDE_KC_HEAD, NUM_HEADS,
+                                           HEAD_DIM, PAGE_SIZE, HND, IN_PACKED),
+                        mask=load_mask, other=0)
+    value_codes = tl.load(vc + _page_offsets(j, STRIDE_VC_SLOT, STRIDE_VC_HEAD, NUM_HEADS,
+                                             HEAD_DIM, PAGE_SIZE, HND, IN_PACKED),
+                          mask=load_mask, other=0)
     if HND:
         head = j // (PAGE_SIZE * HEAD_DIM)
     else:
         head = (j // HEAD_DIM) % NUM_HEADS
-    k = fp8_code_to_fp32(key_codes.to(tl.int32), E5M2, EXACT)
-    v = fp8_code_to_fp32(value_codes.to(tl.int32), E5M2, EXACT)
-    if K_SCALE_MODE != SCALE_NONE:
-        k = k * load_scale(key_scale_ptr, key_scale_value, head, in_page, K_SCALE_MODE)
-    if V_SCALE_MODE != SCALE_NONE:
-        v = v * load_scale(value_scale_ptr, value_scale_value, head, in_page, V_SCALE_MODE)
+    k = decode(key_codes.to(tl.int32), FORMAT, EXACT)
+    v = decode(value_codes.to(tl.int32), FORMAT, EXACT)
+    if K_SCALE != SCALE_NONE:
+        k = k * load_scale(key_scale_ptr, key_scale_value, head, in_page, K_SCALE)
+    if V_SCALE != SCALE_NONE:
+        v = v * load_scale(value_scale_ptr, value_scale_value, head, in_page, V_SCALE)
     # Padding pages are zeros (not 0 * scale, which is NaN for an inf scale).
-    bits_ty: tl.constexpr = key_dst.dtype.element_ty
-    k_bits = tl.where(valid, fp32_to_output_bits(k, OUT_KIND, EXACT), 0).to(bits_ty)
-    v_bits = tl.where(valid, fp32_to_output_bits(v, OUT_KIND, EXACT), 0).to(bits_ty)
-    ko_off = tl.multiple_of(entry * stride_ko_page, OUT_ALIGN) + _page_offsets(
-        j, stride_ko_slot, stride_ko_head, NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, OUT_PACKED)
-    vo_off = tl.multiple_of(entry * stride_vo_page + value_out_offset, OUT_ALIGN) + _page_offsets(
-        j, stride_vo_slot, stride_vo_head, NUM_HEADS, HEAD_DIM, PAGE_SIZE, HND, OUT_PACKED)
-    tl.store(key_dst + ko_off, k_bits, mask=in_page)
-    tl.store(value_dst + vo_off, v_bits, mask=in_page)
+    k_bits = tl.where(valid, fp32_to_output_bits(k, OUT_KIND, EXACT), 0)
+    v_bits = tl.where(valid, fp32_to_output_bits(v, OUT_KIND, EXACT), 0)
+    tl.store(ko + _page_offsets(j, STRIDE_KO_SLOT, STRIDE_KO_HEAD, NUM_HEADS, HEAD_DIM,
+                                PAGE_SIZE, HND, OUT_PACKED),
+             k_bits.to(ko.dtype.element_ty), mask=in_page)
+    tl.store(vo + _page_offsets(j, STRIDE_VO_SLOT, STRIDE_VO_HEAD, NUM_HEADS, HEAD_DIM,
+                                PAGE_SIZE, HND, OUT_PACKED),
+             v_bits.to(vo.dtype.element_ty), mask=in_page)
 
 
 @jit
-def _row_scale(scale_ptr, codes, row, scale_off, stride_sc_slot, stride_sc_head, slot, head,
-               scale_value, mask, MODE: tl.constexpr, HEAD_DIM: tl.constexpr,
-               INLINE_PAD: tl.constexpr):
-    """The scale of each row (one slot's head), broadcastable against ``[ROWS, BLOCK_D]``."""
-    if MODE >= SCALE_TOKEN:
+def _row_scale(scale_ptr, scale_value, codes, row, slot, head, mask, STRIDE_SLOT: tl.constexpr,
+               STRIDE_HEAD: tl.constexpr, SCALE: tl.constexpr, DYNAMIC: tl.constexpr,
+               HEAD_DIM: tl.constexpr, INLINE_PAD: tl.constexpr):
+    """The scale of each row (one slot's head), broadcastable against ``[ROWS, BLOCK_D]``:
+    dynamic (``DYNAMIC`` TOKEN or TOKEN_HEAD: inline or from a side array, whose head stride is
+    0 per token) or static (``SCALE``)."""
+    if DYNAMIC != SCALE_NONE:
         if INLINE_PAD > 0:   # 4 little-endian bytes right after the row's HEAD_DIM codes
             at = codes + (row + HEAD_DIM)
             bits = tl.load(at, mask=mask, other=0).to(tl.int32)
@@ -179,31 +189,34 @@ def _row_scale(scale_ptr, codes, row, scale_off, stride_sc_slot, stride_sc_head,
             bits = bits | (tl.load(at + 2, mask=mask, other=0).to(tl.int32) << 16)
             bits = bits | (tl.load(at + 3, mask=mask, other=0).to(tl.int32) << 24)
             s = bits.to(tl.float32, bitcast=True)[:, None]
-        else:                # side array; per token its head stride is 0
-            s = tl.load(scale_ptr + (scale_off + slot * stride_sc_slot + head * stride_sc_head),
-                        mask=mask, other=1.0)[:, None]
-    elif MODE == SCALE_HEAD:
-        s = load_scale(scale_ptr, scale_value, head, mask, MODE)[:, None]
+        else:
+            s = tl.load(scale_ptr + (slot * STRIDE_SLOT + head * STRIDE_HEAD), mask=mask,
+                        other=1.0)[:, None]
+    elif SCALE == SCALE_HEAD:
+        s = load_scale(scale_ptr, scale_value, head, mask, SCALE)[:, None]
     else:
-        s = load_scale(scale_ptr, scale_value, head, mask, MODE)
+        s = load_scale(scale_ptr, scale_value, head, mask, SCALE)
     return s
 
 
 @jit
-def _dequantize_rows(kc_u8, vc_u8, key_scale_ptr, value_scale_ptr, key_dst, value_dst, valid,
-                     chunk, kc_base, vc_base, ko_base, vo_base, stride_kc_slot, stride_kc_head,
-                     stride_vc_slot, stride_vc_head, stride_ko_slot, stride_ko_head,
-                     stride_vo_slot, stride_vo_head, ksc_off, stride_ksc_slot, stride_ksc_head,
-                     vsc_off, stride_vsc_slot, stride_vsc_head, key_scale_value,
-                     value_scale_value, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     PAGE_SIZE: tl.constexpr, HND: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK_D: tl.constexpr, INLINE_PAD: tl.constexpr, K_SCALE_MODE: tl.constexpr,
-                     V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr, OUT_KIND: tl.constexpr,
-                     EXACT: tl.constexpr, IN_ALIGN: tl.constexpr, OUT_ALIGN: tl.constexpr):
+def _dequantize_rows(kc, ksc, key_scale_value, ko, vc, vsc, value_scale_value, vo, valid, chunk,
+                     STRIDE_KC_SLOT: tl.constexpr, STRIDE_KC_HEAD: tl.constexpr,
+                     STRIDE_KSC_SLOT: tl.constexpr, STRIDE_KSC_HEAD: tl.constexpr,
+                     STRIDE_KO_SLOT: tl.constexpr, STRIDE_KO_HEAD: tl.constexpr,
+                     STRIDE_VC_SLOT: tl.constexpr, STRIDE_VC_HEAD: tl.constexpr,
+                     STRIDE_VSC_SLOT: tl.constexpr, STRIDE_VSC_HEAD: tl.constexpr,
+                     STRIDE_VO_SLOT: tl.constexpr, STRIDE_VO_HEAD: tl.constexpr,
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     HND: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                     INLINE_PAD: tl.constexpr, FORMAT: tl.constexpr, K_SCALE: tl.constexpr,
+                     K_DYNAMIC: tl.constexpr, V_SCALE: tl.constexpr, V_DYNAMIC: tl.constexpr,
+                     OUT_KIND: tl.constexpr, EXACT: tl.constexpr):
     """Dynamic scales: ``[ROWS, BLOCK_D]`` tiles, a row being one slot's head (layout order), so
-    that each row's scale is loaded once and each row's codes are contiguous (inline rows too)."""
+    that each row's scale is loaded once and each row's codes are contiguous (inline rows too).
+    ``kc``/``ksc``/``ko``: the K cache page, its side scales' page (the scale pointer where
+    static) and the output page; V alike."""
     r = chunk * ROWS + tl.arange(0, ROWS)
-    d = tl.arange(0, BLOCK_D)
     r_mask = r < PAGE_SIZE * NUM_HEADS
     if HND:
         head = r // PAGE_SIZE
@@ -213,28 +226,31 @@ def _dequantize_rows(kc_u8, vc_u8, key_scale_ptr, value_scale_ptr, key_dst, valu
         head = r % NUM_HEADS
     slot = slot.to(tl.int64)
     head = head.to(tl.int64)
-    mask = r_mask[:, None] & (d < HEAD_DIM)[None, :]
     row_valid = tl.where(valid, r_mask, False)
-    load_mask = row_valid[:, None] & (d < HEAD_DIM)[None, :]
-    k_row = kc_base + tl.multiple_of(slot * stride_kc_slot + head * stride_kc_head, IN_ALIGN)
-    v_row = vc_base + tl.multiple_of(slot * stride_vc_slot + head * stride_vc_head, IN_ALIGN)
-    k = fp8_code_to_fp32(tl.load(kc_u8 + (k_row[:, None] + d[None, :]), mask=load_mask,
-                                 other=0).to(tl.int32), E5M2, EXACT)
-    v = fp8_code_to_fp32(tl.load(vc_u8 + (v_row[:, None] + d[None, :]), mask=load_mask,
-                                 other=0).to(tl.int32), E5M2, EXACT)
-    if K_SCALE_MODE != SCALE_NONE:
-        k = k * _row_scale(key_scale_ptr, kc_u8, k_row, ksc_off, stride_ksc_slot,
-                           stride_ksc_head, slot, head, key_scale_value, row_valid, K_SCALE_MODE,
-                           HEAD_DIM, INLINE_PAD)
-    if V_SCALE_MODE != SCALE_NONE:
-        v = v * _row_scale(value_scale_ptr, vc_u8, v_row, vsc_off, stride_vsc_slot,
-                           stride_vsc_head, slot, head, value_scale_value, row_valid,
-                           V_SCALE_MODE, HEAD_DIM, INLINE_PAD)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = (d < HEAD_DIM)[None, :]
+    load_mask = row_valid[:, None] & d_mask
+    k_row = slot * STRIDE_KC_SLOT + head * STRIDE_KC_HEAD
+    v_row = slot * STRIDE_VC_SLOT + head * STRIDE_VC_HEAD
+    k = decode(tl.load(kc + (k_row[:, None] + d[None, :]), mask=load_mask, other=0).to(tl.int32),
+               FORMAT, EXACT)
+    v = decode(tl.load(vc + (v_row[:, None] + d[None, :]), mask=load_mask, other=0).to(tl.int32),
+               FORMAT, EXACT)
+    if K_SCALE != SCALE_NONE or K_DYNAMIC != SCALE_NONE:
+        k = k * _row_scale(ksc, key_scale_value, kc, k_row, slot, head, row_valid,
+                           STRIDE_SLOT=STRIDE_KSC_SLOT, STRIDE_HEAD=STRIDE_KSC_HEAD,
+                           SCALE=K_SCALE, DYNAMIC=K_DYNAMIC, HEAD_DIM=HEAD_DIM,
+                           INLINE_PAD=INLINE_PAD)
+    if V_SCALE != SCALE_NONE or V_DYNAMIC != SCALE_NONE:
+        v = v * _row_scale(vsc, value_scale_value, vc, v_row, slot, head, row_valid,
+                           STRIDE_SLOT=STRIDE_VSC_SLOT, STRIDE_HEAD=STRIDE_VSC_HEAD,
+                           SCALE=V_SCALE, DYNAMIC=V_DYNAMIC, HEAD_DIM=HEAD_DIM,
+                           INLINE_PAD=INLINE_PAD)
     # Padding pages are zeros (not 0 * scale, which is NaN for an inf scale).
-    bits_ty: tl.constexpr = key_dst.dtype.element_ty
-    k_bits = tl.where(valid, fp32_to_output_bits(k, OUT_KIND, EXACT), 0).to(bits_ty)
-    v_bits = tl.where(valid, fp32_to_output_bits(v, OUT_KIND, EXACT), 0).to(bits_ty)
-    ko_row = ko_base + tl.multiple_of(slot * stride_ko_slot + head * stride_ko_head, OUT_ALIGN)
-    vo_row = vo_base + tl.multiple_of(slot * stride_vo_slot + head * stride_vo_head, OUT_ALIGN)
-    tl.store(key_dst + (ko_row[:, None] + d[None, :]), k_bits, mask=mask)
-    tl.store(value_dst + (vo_row[:, None] + d[None, :]), v_bits, mask=mask)
+    k_bits = tl.where(valid, fp32_to_output_bits(k, OUT_KIND, EXACT), 0)
+    v_bits = tl.where(valid, fp32_to_output_bits(v, OUT_KIND, EXACT), 0)
+    store_mask = r_mask[:, None] & d_mask
+    ko_row = slot * STRIDE_KO_SLOT + head * STRIDE_KO_HEAD
+    vo_row = slot * STRIDE_VO_SLOT + head * STRIDE_VO_HEAD
+    tl.store(ko + (ko_row[:, None] + d[None, :]), k_bits.to(ko.dtype.element_ty), mask=store_mask)
+    tl.store(vo + (vo_row[:, None] + d[None, :]), v_bits.to(vo.dtype.element_ty), mask=store_mask)

@@ -1,59 +1,63 @@
-"""Fused quantize + scatter of new K/V rows into a paged FP8 cache (one launch for K and V).
+"""Fused quantize + scatter of new K/V rows into a paged cache (one launch for K and V).
 
 Grid: ``(cdiv(num_tokens, BLOCK_T),)``. A program owns ``BLOCK_T`` tokens and walks their
 ``NUM_HEADS * HEAD_DIM`` row in ``BLOCK_HD`` columns at a time, K and V together so that both loads
 are in flight before the stores. Slots below zero (padding) or past the cache are skipped. Offsets
 are int32, or int64 (``OFFSETS_64``) where the plan finds an array reaching past 2**31 elements
 (:func:`fp8kv.plan.offsets_64`). The numpy twin is
-:func:`fp8kv.reference.write_kv`; :func:`fp8kv.plan.plan_write` names every argument.
+:func:`fp8kv.reference.write_kv`; :func:`fp8kv.plan.plan_write` names every argument and
+:func:`fp8kv.operands.write_operands` says which array each pointer takes.
 
 Parameters follow jax-triton's order -- input arrays, scalars, outputs, constexprs -- and are bound
-by name (:mod:`fp8kv.binding`). A cache is an input (``*_cache_ptr``, for JAX's aliasing) and an
-output (``*_cache_out_ptr``, written). A combined ``[num_pages, 2, ...]`` cache is passed as both
-caches, V ``value_cache_offset`` elements in; with ``SHARED_OUT`` V is written through the K output
-pointer, for frontends that give each buffer one output (jax-triton).
+by name (:mod:`fp8kv.binding`). Only what changes between calls of one layout is a runtime
+scalar; every stride is a constexpr (``STRIDE_<array>_<dim>``). A cache is an input
+(``*_cache_ptr``, for JAX's aliasing) and an output (``*_cache_out_ptr``, written). A combined
+``[num_pages, 2, ...]`` cache is passed as both caches, V ``VALUE_CACHE_OFFSET`` elements in; with
+``SHARED_OUT`` V is written through the K output pointer, for frontends that give each buffer one
+output (jax-triton).
 
-Dynamic scales (``K_SCALE_MODE`` / ``V_SCALE_MODE`` TOKEN or TOKEN_HEAD) take the other path:
-each side's ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tile of whole rows is loaded (:func:`_load_rows`;
-both before the first amax with ``DYNAMIC_LOADS_FIRST``), then quantized and stored
-(:func:`_write_dynamic`), the amax a
-reduction over the head's dims (and, per token, over the heads). Each scale goes to
-``*_scale_out_ptr`` (a side array, bound to the same buffer as ``*_scale_ptr``) or, with
-``INLINE_PAD``, as 4 little-endian bytes (then zeros up to ``INLINE_PAD``) right after the head's
-``HEAD_DIM`` codes in the cache row. A dynamic side is compiled out of the static-scale loop.
+A side whose ``*_DYNAMIC`` kind is not NONE (dynamic scales, per token or per token-head) takes
+the other path: its ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tile of whole rows is loaded
+(:func:`_load_rows`; both sides before the first amax with ``DYNAMIC_LOADS_FIRST``), then quantized
+and stored (:func:`_write_dynamic`), the amax a reduction over the head's dims (and, per token,
+over the heads). Each scale goes to ``*_scale_out_ptr`` (a side array, bound to the same buffer as
+``*_scale_ptr``) or, with ``INLINE_PAD``, as 4 little-endian bytes (then zeros up to
+``INLINE_PAD``) right after the head's ``HEAD_DIM`` codes in the cache row. A dynamic side is
+compiled out of the static-scale loop.
 """
 import triton.language as tl
 
 from ._dual import jit
-from .fp8_math import (SCALE_HEAD, SCALE_NONE, SCALE_TOKEN, SCALE_TOKEN_HEAD, divide,
-                       divide_by_group_scale, dynamic_scale, fp32_to_fp8_code, load_as_fp32,
-                       load_raw, load_scale, max_combine, raw_to_fp32)
+from .codec import (SCALE_HEAD, SCALE_NONE, SCALE_TOKEN, SCALE_TOKEN_HEAD, divide,
+                    divide_by_group_scale, dynamic_scale, encode, load_as_fp32, load_raw,
+                    load_scale, max_combine, raw_to_fp32)
 
 
 @jit
-def _load_rows(x_ptr, x_in, stride_x_head, in_range, NUM_HEADS: tl.constexpr,
+def _load_rows(x_ptr, row, in_range, STRIDE_HEAD: tl.constexpr, NUM_HEADS: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-               IN_ALIGN: tl.constexpr, EXACT: tl.constexpr):
+               EXACT: tl.constexpr):
     """The ``[BLOCK_T, BLOCK_H, BLOCK_D]`` (token, head, dim) tile of whole rows of one side, as
-    loaded as stored (converted to fp32 by :func:`_write_dynamic`: fewer registers while both
-    sides' loads are in flight); ``x_in``: each token's row offset."""
+    stored (converted to fp32 by :func:`_write_dynamic`: fewer registers while both sides' loads
+    are in flight); ``row``: each token's row offset."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     hd_mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-    x_col = tl.multiple_of(h * stride_x_head, IN_ALIGN)[:, None] + d[None, :]
-    return load_raw(x_ptr, x_in[:, None, None] + x_col[None, :, :],
+    col = (h * STRIDE_HEAD)[:, None] + d[None, :]
+    return load_raw(x_ptr, row[:, None, None] + col[None, :, :],
                     in_range[:, None, None] & hd_mask[None, :, :], EXACT)
 
 
 @jit
-def _write_dynamic(raw, dst, row, stride_c_head, scale_dst, scale_row, stride_sc_head, keep,
-                   MODE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INLINE_PAD: tl.constexpr,
-                   E5M2: tl.constexpr, EXACT: tl.constexpr, POW2: tl.constexpr,
-                   CACHE_ALIGN: tl.constexpr):
-    """Quantize one side's tile ``raw`` (:func:`_load_rows`) with dynamic scales and store codes
-    and scales: the amax a reduction over the dims (and the heads, per token), one store -- no
-    loop over heads. ``row``/``scale_row``: each token's cache row / scale offset."""
+def _write_dynamic(raw, dst, row, scale_dst, scale_row, keep, KIND: tl.constexpr,
+                   STRIDE_CACHE_HEAD: tl.constexpr, STRIDE_SCALE_HEAD: tl.constexpr,
+                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_D: tl.constexpr, INLINE_PAD: tl.constexpr, FORMAT: tl.constexpr,
+                   POW2: tl.constexpr, EXACT: tl.constexpr):
+    """Quantize one side's tile ``raw`` (:func:`_load_rows`) with dynamic scales of ``KIND``
+    (TOKEN or TOKEN_HEAD) and store codes and scales: the amax a reduction over the dims (and the
+    heads, per token), one store -- no loop over heads. ``row``/``scale_row``: each token's cache
+    row / scale offset."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     h_mask = h < NUM_HEADS
@@ -64,10 +68,10 @@ def _write_dynamic(raw, dst, row, stride_c_head, scale_dst, scale_row, stride_sc
         # The interpreter's maximum propagates NaN; the GPU's max.f32 drops it (max_combine).
         a = tl.where(x != x, 0.0, a)
     amax = tl.reduce(a, 2, max_combine)                                       # [T, H]
-    if MODE == SCALE_TOKEN:
+    if KIND == SCALE_TOKEN:
         amax = tl.reduce(amax, 1, max_combine)                                # [T]
-    s = dynamic_scale(tl.where(amax != amax, 0.0, amax), E5M2, POW2, EXACT)  # all-NaN: 0
-    s_x = s[:, None, None] if MODE == SCALE_TOKEN else s[:, :, None]
+    s = dynamic_scale(tl.where(amax != amax, 0.0, amax), FORMAT, POW2, EXACT)  # all-NaN: 0
+    s_x = s[:, None, None] if KIND == SCALE_TOKEN else s[:, :, None]
     if POW2:
         # s is a power of two (or inf): RN(1/s) is exact, so x * (1/s) is RN(x / s).
         q = x * tl.math.div_rn(tl.full(s_x.shape, 1.0, tl.float32), s_x)
@@ -75,17 +79,17 @@ def _write_dynamic(raw, dst, row, stride_c_head, scale_dst, scale_row, stride_sc
         q = tl.math.div_rn(x, s_x)
     else:
         q = divide_by_group_scale(x, s_x)
-    q = fp32_to_fp8_code(q, E5M2, EXACT)
+    q = encode(q, FORMAT, EXACT)
     # Side scales are stored with evict_last: a token's scales are 4-32 bytes at a random slot,
     # and held in L2 they merge with their neighbours' into whole lines instead of each costing
     # DRAM a scattered write amid the streamed codes (H200, 65,536 tokens: 108 -> 104 us;
     # bench/NOTES.md). They are a small fraction of the traffic: L2 keeps its room for the rest.
-    if MODE == SCALE_TOKEN:
+    if KIND == SCALE_TOKEN:
         tl.store(scale_dst + scale_row, s, mask=keep, eviction_policy="evict_last")
-    c_head = tl.multiple_of(h * stride_c_head, CACHE_ALIGN)
+    c_head = h * STRIDE_CACHE_HEAD
     tl.store(dst + (row[:, None, None] + (c_head[:, None] + d[None, :])[None, :, :]),
              q.to(tl.uint8), mask=keep[:, None, None] & hd_mask[None, :, :])
-    if MODE == SCALE_TOKEN_HEAD:
+    if KIND == SCALE_TOKEN_HEAD:
         th_mask = keep[:, None] & h_mask[None, :]
         if INLINE_PAD > 0:
             j = tl.arange(0, INLINE_PAD)
@@ -95,38 +99,42 @@ def _write_dynamic(raw, dst, row, stride_c_head, scale_dst, scale_row, stride_sc
             tl.store(dst + (row[:, None, None] + (c_head + HEAD_DIM)[None, :, None]
                             + j[None, None, :]), byte.to(tl.uint8), mask=th_mask[:, :, None])
         else:
-            tl.store(scale_dst + (scale_row[:, None] + (h * stride_sc_head)[None, :]), s,
+            tl.store(scale_dst + (scale_row[:, None] + (h * STRIDE_SCALE_HEAD)[None, :]), s,
                      mask=th_mask, eviction_policy="evict_last")
 
 
 @jit
-def _quantize_static(x, scale_ptr, scale_value, head, col_mask, MODE: tl.constexpr,
-                     E5M2: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL_DIV: tl.constexpr):
-    """One side's ``[BLOCK_T, BLOCK_HD]`` fp8 codes with a static scale (none, a value, a
+def _quantize_static(x, scale_ptr, scale_value, head, col_mask, KIND: tl.constexpr,
+                     FORMAT: tl.constexpr, RECIPROCAL_DIV: tl.constexpr, EXACT: tl.constexpr):
+    """One side's ``[BLOCK_T, BLOCK_HD]`` codes with a static scale of ``KIND`` (none, a value, a
     tensor, or per head: ``head`` is each column's)."""
-    if MODE != SCALE_NONE:
-        s = load_scale(scale_ptr, scale_value, head, col_mask, MODE)
-        x = divide(x, s if MODE != SCALE_HEAD else s[None, :], MODE != SCALE_HEAD, EXACT,
+    if KIND != SCALE_NONE:
+        s = load_scale(scale_ptr, scale_value, head, col_mask, KIND)
+        x = divide(x, s if KIND != SCALE_HEAD else s[None, :], KIND != SCALE_HEAD, EXACT,
                    RECIPROCAL_DIV)
-    return fp32_to_fp8_code(x, E5M2, EXACT).to(tl.uint8)
+    return encode(x, FORMAT, EXACT).to(tl.uint8)
 
 
 @jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, key_scale_ptr, value_scale_ptr,
-    num_tokens, num_slots, stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_kc_page, stride_kc_slot, stride_kc_head, stride_vc_page, stride_vc_slot, stride_vc_head,
-    value_cache_offset, key_scale_value, value_scale_value,
-    stride_ksc_page, stride_ksc_slot, stride_ksc_head, stride_vsc_page, stride_vsc_slot,
-    stride_vsc_head,
+    num_tokens, num_slots, key_scale_value, value_scale_value,
     key_cache_out_ptr, value_cache_out_ptr, key_scale_out_ptr, value_scale_out_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    INLINE_PAD: tl.constexpr, SCALE_POW2: tl.constexpr,
-    K_SCALE_MODE: tl.constexpr, V_SCALE_MODE: tl.constexpr, E5M2: tl.constexpr, EXACT: tl.constexpr,
-    KEY_PACKED: tl.constexpr, VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr,
-    IN_ALIGN: tl.constexpr, CACHE_ALIGN: tl.constexpr, RECIPROCAL_DIV: tl.constexpr,
+    STRIDE_KEY_TOKEN: tl.constexpr, STRIDE_KEY_HEAD: tl.constexpr,
+    STRIDE_VALUE_TOKEN: tl.constexpr, STRIDE_VALUE_HEAD: tl.constexpr,
+    STRIDE_KC_PAGE: tl.constexpr, STRIDE_KC_SLOT: tl.constexpr, STRIDE_KC_HEAD: tl.constexpr,
+    STRIDE_VC_PAGE: tl.constexpr, STRIDE_VC_SLOT: tl.constexpr, STRIDE_VC_HEAD: tl.constexpr,
+    VALUE_CACHE_OFFSET: tl.constexpr,
+    STRIDE_KSC_PAGE: tl.constexpr, STRIDE_KSC_SLOT: tl.constexpr, STRIDE_KSC_HEAD: tl.constexpr,
+    STRIDE_VSC_PAGE: tl.constexpr, STRIDE_VSC_SLOT: tl.constexpr, STRIDE_VSC_HEAD: tl.constexpr,
+    FORMAT: tl.constexpr, K_SCALE: tl.constexpr, K_DYNAMIC: tl.constexpr,
+    V_SCALE: tl.constexpr, V_DYNAMIC: tl.constexpr, SCALE_POW2: tl.constexpr,
+    INLINE_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KEY_PACKED: tl.constexpr,
+    VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr, RECIPROCAL_DIV: tl.constexpr,
     DYNAMIC_LOADS_FIRST: tl.constexpr, SHARED_OUT: tl.constexpr, OFFSETS_64: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = tok < num_tokens
@@ -147,37 +155,38 @@ def _write_kv_kernel(
         value_dst = key_dst
     else:
         value_dst = value_cache_out_ptr.to(tl.pointer_type(tl.uint8))
-    # The plan's alignment promises: jax-triton does not specialize integer arguments on
-    # divisibility as torch-side launches do, and without them no access is 16 bytes wide.
-    # A promise must be made where its value is computed.
-    key_row = tl.multiple_of(page * stride_kc_page + off * stride_kc_slot, CACHE_ALIGN)
-    value_row = tl.multiple_of(page * stride_vc_page + off * stride_vc_slot + value_cache_offset,
-                               CACHE_ALIGN)
-    key_in = tl.multiple_of(tok * stride_key_token, IN_ALIGN)
-    value_in = tl.multiple_of(tok * stride_value_token, IN_ALIGN)
-    K_STATIC: tl.constexpr = K_SCALE_MODE < SCALE_TOKEN
-    V_STATIC: tl.constexpr = V_SCALE_MODE < SCALE_TOKEN
+    key_row = page * STRIDE_KC_PAGE + off * STRIDE_KC_SLOT
+    value_row = page * STRIDE_VC_PAGE + off * STRIDE_VC_SLOT + VALUE_CACHE_OFFSET
+    key_in = tok * STRIDE_KEY_TOKEN
+    value_in = tok * STRIDE_VALUE_TOKEN
+    K_STATIC: tl.constexpr = K_DYNAMIC == SCALE_NONE
+    V_STATIC: tl.constexpr = V_DYNAMIC == SCALE_NONE
     # DYNAMIC_LOADS_FIRST: both sides' loads are in flight before K's amax waits on them (the
     # plan says when that pays: it holds both tiles in registers).
     if not K_STATIC:
-        xk = _load_rows(key_ptr, key_in, stride_key_head, in_range, NUM_HEADS, HEAD_DIM, BLOCK_H,
-                        BLOCK_D, IN_ALIGN, EXACT)
+        xk = _load_rows(key_ptr, key_in, in_range, STRIDE_HEAD=STRIDE_KEY_HEAD,
+                        NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H,
+                        BLOCK_D=BLOCK_D, EXACT=EXACT)
     if DYNAMIC_LOADS_FIRST:
-        xv = _load_rows(value_ptr, value_in, stride_value_head, in_range, NUM_HEADS, HEAD_DIM,
-                        BLOCK_H, BLOCK_D, IN_ALIGN, EXACT)
+        xv = _load_rows(value_ptr, value_in, in_range, STRIDE_HEAD=STRIDE_VALUE_HEAD,
+                        NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H,
+                        BLOCK_D=BLOCK_D, EXACT=EXACT)
     if not K_STATIC:
-        _write_dynamic(xk, key_dst, key_row, stride_kc_head, key_scale_out_ptr,
-                       page * stride_ksc_page + off * stride_ksc_slot, stride_ksc_head, keep,
-                       K_SCALE_MODE, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, INLINE_PAD, E5M2,
-                       EXACT, SCALE_POW2, CACHE_ALIGN)
+        _write_dynamic(xk, key_dst, key_row, key_scale_out_ptr,
+                       page * STRIDE_KSC_PAGE + off * STRIDE_KSC_SLOT, keep, KIND=K_DYNAMIC,
+                       STRIDE_CACHE_HEAD=STRIDE_KC_HEAD, STRIDE_SCALE_HEAD=STRIDE_KSC_HEAD,
+                       NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                       INLINE_PAD=INLINE_PAD, FORMAT=FORMAT, POW2=SCALE_POW2, EXACT=EXACT)
     if not V_STATIC:
         if not DYNAMIC_LOADS_FIRST:
-            xv = _load_rows(value_ptr, value_in, stride_value_head, in_range, NUM_HEADS,
-                            HEAD_DIM, BLOCK_H, BLOCK_D, IN_ALIGN, EXACT)
-        _write_dynamic(xv, value_dst, value_row, stride_vc_head, value_scale_out_ptr,
-                       page * stride_vsc_page + off * stride_vsc_slot, stride_vsc_head, keep,
-                       V_SCALE_MODE, NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D, INLINE_PAD, E5M2,
-                       EXACT, SCALE_POW2, CACHE_ALIGN)
+            xv = _load_rows(value_ptr, value_in, in_range, STRIDE_HEAD=STRIDE_VALUE_HEAD,
+                            NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H,
+                            BLOCK_D=BLOCK_D, EXACT=EXACT)
+        _write_dynamic(xv, value_dst, value_row, value_scale_out_ptr,
+                       page * STRIDE_VSC_PAGE + off * STRIDE_VSC_SLOT, keep, KIND=V_DYNAMIC,
+                       STRIDE_CACHE_HEAD=STRIDE_VC_HEAD, STRIDE_SCALE_HEAD=STRIDE_VSC_HEAD,
+                       NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                       INLINE_PAD=INLINE_PAD, FORMAT=FORMAT, POW2=SCALE_POW2, EXACT=EXACT)
     ROW: tl.constexpr = NUM_HEADS * HEAD_DIM
     for start in tl.static_range(0, ROW if K_STATIC or V_STATIC else 0, BLOCK_HD):
         col = start + tl.arange(0, BLOCK_HD)
@@ -186,10 +195,10 @@ def _write_kv_kernel(
         dim = col % HEAD_DIM
         # Packed rows (head stride == HEAD_DIM) address by `col` alone, which keeps the
         # compiler's contiguity proof and so 16-byte accesses.
-        k_col = col if KEY_PACKED else tl.multiple_of(head * stride_key_head, IN_ALIGN) + dim
-        v_col = col if VALUE_PACKED else tl.multiple_of(head * stride_value_head, IN_ALIGN) + dim
-        kc_col = col if CACHE_PACKED else tl.multiple_of(head * stride_kc_head, CACHE_ALIGN) + dim
-        vc_col = col if CACHE_PACKED else tl.multiple_of(head * stride_vc_head, CACHE_ALIGN) + dim
+        k_col = col if KEY_PACKED else head * STRIDE_KEY_HEAD + dim
+        v_col = col if VALUE_PACKED else head * STRIDE_VALUE_HEAD + dim
+        kc_col = col if CACHE_PACKED else head * STRIDE_KC_HEAD + dim
+        vc_col = col if CACHE_PACKED else head * STRIDE_VC_HEAD + dim
         # Loads do not wait for the slots (one DRAM round trip instead of two for small batches);
         # only the stores are masked by them.
         load_mask = in_range[:, None] & col_mask[None, :]
@@ -200,10 +209,12 @@ def _write_kv_kernel(
             xv = load_as_fp32(value_ptr, value_in[:, None] + v_col[None, :], load_mask, EXACT)
         if K_STATIC:
             qk = _quantize_static(xk, key_scale_ptr, key_scale_value, head, col_mask,
-                                  K_SCALE_MODE, E5M2, EXACT, RECIPROCAL_DIV)
+                                  KIND=K_SCALE, FORMAT=FORMAT, RECIPROCAL_DIV=RECIPROCAL_DIV,
+                                  EXACT=EXACT)
         if V_STATIC:
             qv = _quantize_static(xv, value_scale_ptr, value_scale_value, head, col_mask,
-                                  V_SCALE_MODE, E5M2, EXACT, RECIPROCAL_DIV)
+                                  KIND=V_SCALE, FORMAT=FORMAT, RECIPROCAL_DIV=RECIPROCAL_DIV,
+                                  EXACT=EXACT)
         if K_STATIC:
             tl.store(key_dst + (key_row[:, None] + kc_col[None, :]), qk, mask=mask)
         if V_STATIC:

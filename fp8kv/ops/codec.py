@@ -1,4 +1,9 @@
-"""Triton device helpers shared by the kernels: fp32 <-> fp8 codes and output rounding.
+"""The kernels' codec: fp32 <-> cache codes per format, scales, division and output rounding.
+
+Formats reach the kernels as the ``FORMAT`` constexpr (a row id of :data:`fp8kv.formats.FORMATS`)
+and scale kinds as ``*_SCALE`` / ``*_DYNAMIC`` constexprs (:class:`fp8kv.modes.ScaleKind` ids);
+every branch on them is here, by equality. A new format adds its branch to :func:`encode` and
+:func:`decode` (and its largest value to :func:`dynamic_scale`).
 
 Each conversion has two implementations selected by the ``EXACT`` constexpr:
 
@@ -12,16 +17,18 @@ Codes travel as int32 holding 0..255 (fp8) or as the output's unsigned bit patte
 import triton.language as tl
 
 from .. import formats
-from ..modes import OutKind, ScaleMode
+from ..modes import OutKind, ScaleKind
 from ._dual import jit
 
 # Every number below comes from fp8kv.formats / fp8kv.modes: kernels see them as constexpr globals.
-SCALE_NONE: tl.constexpr = tl.constexpr(int(ScaleMode.NONE))
-SCALE_VALUE: tl.constexpr = tl.constexpr(int(ScaleMode.VALUE))
-SCALE_TENSOR: tl.constexpr = tl.constexpr(int(ScaleMode.TENSOR))
-SCALE_HEAD: tl.constexpr = tl.constexpr(int(ScaleMode.HEAD))
-SCALE_TOKEN: tl.constexpr = tl.constexpr(int(ScaleMode.TOKEN))
-SCALE_TOKEN_HEAD: tl.constexpr = tl.constexpr(int(ScaleMode.TOKEN_HEAD))
+FMT_E4M3: tl.constexpr = tl.constexpr(formats.E4M3.id)
+FMT_E5M2: tl.constexpr = tl.constexpr(formats.E5M2.id)
+SCALE_NONE: tl.constexpr = tl.constexpr(ScaleKind.NONE.id)
+SCALE_VALUE: tl.constexpr = tl.constexpr(ScaleKind.VALUE.id)
+SCALE_TENSOR: tl.constexpr = tl.constexpr(ScaleKind.TENSOR.id)
+SCALE_HEAD: tl.constexpr = tl.constexpr(ScaleKind.HEAD.id)
+SCALE_TOKEN: tl.constexpr = tl.constexpr(ScaleKind.TOKEN.id)
+SCALE_TOKEN_HEAD: tl.constexpr = tl.constexpr(ScaleKind.TOKEN_HEAD.id)
 SCALE_FLOOR: tl.constexpr = tl.constexpr(formats.DYNAMIC_SCALE_FLOOR)
 E4M3_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E4M3.max_value)
 E5M2_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E5M2.max_value)
@@ -50,11 +57,12 @@ _INF: tl.constexpr = tl.constexpr(float("inf"))
 
 
 @jit
-def load_scale(scale_ptr, scale_value, head, head_mask, MODE: tl.constexpr):
-    """The scale to apply: a scalar, or a per-element vector gathered by ``head``."""
-    if MODE == SCALE_VALUE:
+def load_scale(scale_ptr, scale_value, head, head_mask, KIND: tl.constexpr):
+    """A static scale (``KIND`` VALUE, TENSOR or HEAD): a scalar, or a per-element vector
+    gathered by ``head``."""
+    if KIND == SCALE_VALUE:
         s = scale_value
-    elif MODE == SCALE_TENSOR:
+    elif KIND == SCALE_TENSOR:
         s = tl.load(scale_ptr)
     else:
         s = tl.load(scale_ptr + head, mask=head_mask, other=1.0)
@@ -147,9 +155,10 @@ def raw_to_fp32(raw, EXACT: tl.constexpr):
 
 
 @jit
-def fp32_to_fp8_code(y, E5M2: tl.constexpr, EXACT: tl.constexpr):
-    """fp8 byte (int32 0..255) of fp32 ``y``: RNE, saturating, NaN -> 0x7F."""
-    if E5M2:
+def encode(y, FORMAT: tl.constexpr, EXACT: tl.constexpr):
+    """The code of fp32 ``y`` in ``FORMAT`` (int32; fp8: 0..255): RNE, saturating, NaN -> the
+    format's NaN code."""
+    if FORMAT == FMT_E5M2:
         MAN_BITS: tl.constexpr = E5M2_MAN_BITS
         BIAS: tl.constexpr = E5M2_BIAS
         MAX_CODE: tl.constexpr = E5M2_MAX_CODE
@@ -184,7 +193,7 @@ def fp32_to_fp8_code(y, E5M2: tl.constexpr, EXACT: tl.constexpr):
         # Triton lowers both casts to cvt.rn.satfinite (sm_90): it saturates (inf included) and
         # gives 0x7F for NaN, which is what the spec pins -- no clamp needed. The GPU suite checks
         # this path against the exact one on every bf16/fp16 pattern and random fp32.
-        if E5M2:
+        if FORMAT == FMT_E5M2:
             code = y.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
         else:
             code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
@@ -192,9 +201,10 @@ def fp32_to_fp8_code(y, E5M2: tl.constexpr, EXACT: tl.constexpr):
 
 
 @jit
-def fp8_code_to_fp32(code, E5M2: tl.constexpr, EXACT: tl.constexpr):
-    """fp32 value of an fp8 byte (int32 0..255); NaN codes give a NaN, e5m2 inf gives inf."""
-    if E5M2:
+def decode(code, FORMAT: tl.constexpr, EXACT: tl.constexpr):
+    """fp32 value of a ``FORMAT`` code (int32; fp8: 0..255); NaN codes give a NaN, e5m2 inf
+    gives inf."""
+    if FORMAT == FMT_E5M2:
         MAN_BITS: tl.constexpr = E5M2_MAN_BITS
         BIAS: tl.constexpr = E5M2_BIAS
         SUBNORMAL_UNIT: tl.constexpr = E5M2_SUBNORMAL_UNIT
@@ -209,7 +219,7 @@ def fp8_code_to_fp32(code, E5M2: tl.constexpr, EXACT: tl.constexpr):
         normal = (((exp + (127 - BIAS)) << 23) | (man << (23 - MAN_BITS))).to(tl.float32, bitcast=True)
         value = tl.where(exp == 0, man.to(tl.float32) * SUBNORMAL_UNIT, normal)
         quiet_nan = (mag | 0x7FC00000).to(tl.float32, bitcast=True)
-        if E5M2:
+        if FORMAT == FMT_E5M2:
             value = tl.where(mag == E5M2_INF_MAGNITUDE, _INF, value)
             value = tl.where(mag > E5M2_INF_MAGNITUDE, quiet_nan, value)
         else:
@@ -218,7 +228,7 @@ def fp8_code_to_fp32(code, E5M2: tl.constexpr, EXACT: tl.constexpr):
         sign = (code & 0x80) << 24
         value = (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     else:
-        if E5M2:
+        if FORMAT == FMT_E5M2:
             value = code.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
         else:
             value = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -261,7 +271,7 @@ def max_combine(a, b):
 
 
 @jit
-def dynamic_scale(amax, E5M2: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr):
+def dynamic_scale(amax, FORMAT: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr):
     """The dynamic dequant scale of a group: ``max(RN(amax / fmax), floor)``, then (POW2) the
     smallest power of two ``>= s``, exactly, on the fp32 bits (``inf`` stays ``inf``).
 
@@ -269,7 +279,7 @@ def dynamic_scale(amax, E5M2: tl.constexpr, POW2: tl.constexpr, EXACT: tl.conste
     constant ``RN(1/fmax)`` (a quotient small enough to underflow in it is far below the floor),
     the exact path with ``div_rn``. The GPU suite compares the two on every finite fp32 amax.
     """
-    if E5M2:
+    if FORMAT == FMT_E5M2:
         FMAX: tl.constexpr = E5M2_MAX_VALUE
         RCP_FMAX: tl.constexpr = E5M2_RCP_MAX_VALUE
     else:
