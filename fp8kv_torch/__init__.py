@@ -11,6 +11,8 @@ from typing import Sequence, Union
 
 import torch
 
+from fp8kv.validate import check_bool
+
 from . import _launch
 from ._fast import FastPathWarning
 from ._ops import (dequantize_pages_combined_op, dequantize_pages_op, split_scales,
@@ -27,6 +29,7 @@ ScaleCache = Union[Tensor, str, None]
 def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
            key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
     """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op."""
+    check_bool(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
     combined = len(caches) == 1
     if torch.compiler.is_compiling():
         if check_bounds:
@@ -151,6 +154,7 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
                 null_page, out, key_scale_cache, value_scale_cache, head_dim, check_bounds):
     """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op; returns
     the outputs, one per page array, then the new block table."""
+    check_bool(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
     combined = len(caches) == 1
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")

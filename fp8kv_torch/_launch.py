@@ -27,8 +27,8 @@ from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import BoundCall, bind
 from fp8kv.operands import OperandMap, dequantize_operands, write_operands
 from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
-from fp8kv.validate import (check_dequantize, check_out, check_slots_in_range,
-                            check_table_in_range, check_write, dequantized_shape, frontend_args)
+from fp8kv.validate import (check_dequantize, check_out, check_slots_in_range, check_table_in_range,
+                            check_write, dequantized_shape, frontend_args)
 
 from . import _fast
 
