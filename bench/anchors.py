@@ -11,6 +11,9 @@ IEEE division on a GPU), and the CPU interpreter rounds both kernels' casts its 
 * :func:`write_tokens`: a fused set-KV-buffer writer (SGLang-style): one program per token; it
   loads the token's K and V rows, divides them by the scale, casts to the cache's FP8 type and
   stores them at the token's slot.
+* :func:`write_tokens_tiled`: the seed-style one-program-per-token writer of the kind vLLM's
+  Triton cache write is: one program per token walking its ``heads x head_dim`` row in
+  2,048-element tiles with 16 warps, the scalar scale loaded once per program, Triton's ``/``.
 
 On CPU tensors they run through the interpreter twins that :mod:`fp8kv.ops` derives, as fp8kv's
 own kernels do (a plain ``triton.jit`` kernel cannot take CPU tensors without
@@ -59,6 +62,26 @@ def _write_kernel(key, value, key_cache, value_cache, slots, key_scale, value_sc
     tl.store(value_cache + dst, v.to(value_cache.dtype.element_ty), mask=mask)
 
 
+WRITE_TILE = 2048      # row elements per step of the tiled writer
+WRITE_TILE_WARPS = 16
+
+
+@triton.jit
+def _write_tiled_kernel(key, value, key_cache, value_cache, slots, key_scale, value_scale,
+                        ROW: tl.constexpr, TILE: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + token).to(tl.int64)
+    k_scale = tl.load(key_scale)
+    v_scale = tl.load(value_scale)
+    for start in tl.static_range(0, ROW, TILE):
+        offs = start + tl.arange(0, TILE)
+        mask = offs < ROW
+        k = tl.load(key + token * ROW + offs, mask=mask).to(tl.float32) / k_scale
+        v = tl.load(value + token * ROW + offs, mask=mask).to(tl.float32) / v_scale
+        tl.store(key_cache + slot * ROW + offs, k.to(key_cache.dtype.element_ty), mask=mask)
+        tl.store(value_cache + slot * ROW + offs, v.to(value_cache.dtype.element_ty), mask=mask)
+
+
 def _kernel(jit_fn, tensor):
     """The compiled kernel for CUDA tensors, its interpreter twin for CPU tensors."""
     return interpreted(jit_fn) if tensor.device.type == "cpu" else jit_fn
@@ -84,6 +107,15 @@ def write_tokens(key, value, key_cache, value_cache, slots, key_scale, value_sca
     _kernel(_write_kernel, key)[(key.shape[0],)](
         key, value, key_cache, value_cache, slots, key_scale, value_scale,
         ROW=row, BLOCK=triton.next_power_of_2(row))
+
+
+def write_tokens_tiled(key, value, key_cache, value_cache, slots, key_scale, value_scale):
+    """:func:`write_tokens` as the tiled one-program-per-token writer (2,048-element tiles,
+    16 warps)."""
+    row = key[0].numel()
+    _kernel(_write_tiled_kernel, key)[(key.shape[0],)](
+        key, value, key_cache, value_cache, slots, key_scale, value_scale, ROW=row,
+        TILE=WRITE_TILE, num_warps=WRITE_TILE_WARPS)
 
 
 def empty(x):

@@ -1,0 +1,133 @@
+"""Before / after: the large calls of one source tree against another's, in one run.
+
+    python bench/before_after.py --old DIR [--rounds 3] [--out DIR]
+
+``DIR`` is another checkout of fp8kv (e.g. ``git worktree add DIR <commit>``). Each round runs
+this file with ``--measure`` in a fresh process, once with ``DIR`` first on ``PYTHONPATH`` and once
+with this checkout, alternating which goes first, so that both trees see the same GPU state. A
+measurement uses only the public torch API (``fp8kv_torch``), so it runs unchanged on either
+tree: CUDA-graph replays (10 calls per graph, over several input sets so that nothing runs from
+L2) timed by ``triton.testing.do_bench`` (median) of
+
+* ``write 65,536``: ``write_kv`` of 65,536 tokens, 8 kv heads x 128, bf16 -> e4m3, device scale;
+* ``dequantize 16x512``: ``dequantize_pages`` of 16 x 512 pages of 16 slots to bf16 (``out=``);
+* ``dynamic write 65,536``: ``write_kv`` with per-token-head scales in side arrays.
+
+Prints one line per case (median over rounds of each tree and new / old) and writes
+``before_after.csv`` and ``before_after.md`` to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HEADS, HEAD_DIM, PAGE_SIZE = 8, 128, 16
+CALLS_PER_GRAPH = 10
+
+
+def _graph_us(fns) -> float:
+    import torch
+    import triton
+
+    for fn in fns:   # compile and warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    calls = [fns[i % len(fns)] for i in range(CALLS_PER_GRAPH)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=50, rep=300,
+                                   return_mode="median") * 1e3 / len(calls)
+
+
+def measure() -> dict:
+    """``{case: microseconds per call}`` for the fp8kv on ``sys.path``."""
+    import torch
+
+    import fp8kv_torch
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    out = {}
+    tokens, sets = 65536, 3
+    slots_total = 3 * tokens
+    num_pages = slots_total // PAGE_SIZE
+    kc = torch.zeros(num_pages, PAGE_SIZE, HEADS, HEAD_DIM, dtype=torch.float8_e4m3fn, device=dev)
+    vc = torch.zeros_like(kc)
+    scale = torch.tensor(0.37, device=dev)
+    inputs = [(torch.randn(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+               torch.randn(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+               torch.randperm(slots_total, device=dev)[:tokens]) for _ in range(sets)]
+    out["write 65,536"] = _graph_us([
+        lambda k=k, v=v, s=s: fp8kv_torch.write_kv(k, v, kc, vc, s, scale, scale)
+        for k, v, s in inputs])
+    ksc, vsc = (torch.zeros(num_pages, PAGE_SIZE, HEADS, device=dev) for _ in range(2))
+    out["dynamic write 65,536"] = _graph_us([
+        lambda k=k, v=v, s=s: fp8kv_torch.write_kv(k, v, kc, vc, s, key_scale_cache=ksc,
+                                                   value_scale_cache=vsc)
+        for k, v, s in inputs])
+    del inputs
+    tables = [torch.randint(0, num_pages, (16, 512), dtype=torch.int32, device=dev)
+              for _ in range(sets)]
+    pages = (16 * 512, PAGE_SIZE, HEADS, HEAD_DIM)
+    outs = (torch.empty(pages, dtype=torch.bfloat16, device=dev),
+            torch.empty(pages, dtype=torch.bfloat16, device=dev),
+            torch.empty(16, 512, dtype=torch.int32, device=dev))
+    out["dequantize 16x512"] = _graph_us([
+        lambda t=t: fp8kv_torch.dequantize_pages(kc, vc, t, scale, scale, out=outs)
+        for t in tables])
+    return out
+
+
+def _run(tree: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    done = subprocess.run([sys.executable, __file__, "--measure"], env=env, check=True,
+                          capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--old", type=Path, help="the other checkout (the 'before')")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure()))
+        return
+    if args.old is None:
+        p.error("--old: expected the checkout to compare with")
+    new = Path(__file__).resolve().parent.parent
+    runs = {"old": [], "new": []}
+    for r in range(args.rounds):
+        for which in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            runs[which].append(_run(args.old if which == "old" else new))
+            print(f"round {r + 1} {which}: {runs[which][-1]}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for case in runs["new"][0]:
+        old = statistics.median(m[case] for m in runs["old"])
+        now = statistics.median(m[case] for m in runs["new"])
+        rows.append((case, old, now, now / old))
+    with open(args.out / "before_after.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["case", "old_us", "new_us", "new_over_old", "rounds"])
+        w.writerows([(c, f"{o:.2f}", f"{n:.2f}", f"{q:.4f}", args.rounds) for c, o, n, q in rows])
+    lines = [f"Before / after ({args.rounds} alternating rounds, medians, CUDA-graph replay)", "",
+             "| case | old (us) | new (us) | new / old |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {c} | {o:.1f} | {n:.1f} | {q:.3f} |" for c, o, n, q in rows]
+    (args.out / "before_after.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
