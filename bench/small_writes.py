@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import fp8kv_torch
 from fp8kv import plan
 
 from . import anchors
@@ -43,13 +44,17 @@ def table_write_small(device, cfg: Config, timer: Timer, copy_gbps: float) -> Ta
         "(exact division). `tiled writer`: the seed-style one-program-per-token writer in "
         "bench/anchors.py (2,048-element tiles over heads x head_dim, 16 warps, scale loaded once "
         "per program, Triton's `/`). `SGLang-style writer`: one program per token, one tile per "
-        "row, 4 warps. The `fp8kv, ...` rows change one small-batch entry of the plan.",
+        "row, 4 warps. `fp8kv, no scale`: the same write without a scale (what the division "
+        "costs). The other `fp8kv, ...` rows change one small-batch entry of the plan.",
         xlabel="tokens written per call")
     mode = "graph" if timer.cuda else timer.modes[0]
     for tokens in TOKENS if timer.cuda else TOKENS[:2]:
         case = build_write_case(device, cfg, tokens)
         name = tokens_case(tokens)
+        no_scale = [functools.partial(fp8kv_torch.write_kv, k, v, case.key_cache,
+                                      case.value_cache, s) for k, v, s in case.sets]
         providers = [("fp8kv", case.fp8kv_calls()),
+                     ("fp8kv, no scale (no division)", no_scale),
                      ("tiled writer", _anchor_calls(case, anchors.write_tokens_tiled)),
                      ("SGLang-style writer", _anchor_calls(case, anchors.write_tokens))]
         for provider, fns in providers:

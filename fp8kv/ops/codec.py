@@ -89,20 +89,45 @@ def reciprocal_divide(x, s, y):
 
 
 @jit
-def divide(x, s, SCALAR: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
-    """``x / s`` correctly rounded (IEEE fp32), ``s`` > 0.
+def scalar_scale(scale_ptr, scale_value, KIND: tl.constexpr):
+    """A per-tensor static scale (``KIND`` VALUE or TENSOR) as one fp32 value. Programs load it
+    before their rows, so that its round trip overlaps theirs (loaded after a row's division, a
+    second scale cost a small write a whole extra trip). Other kinds: ``scale_value`` (1.0, never
+    applied; a per-head scale is gathered per column by :func:`load_scale`)."""
+    if KIND == SCALE_TENSOR:
+        s = tl.load(scale_ptr)
+    else:
+        s = scale_value
+    return s
 
-    With RECIPROCAL (fast path, one scale per program) the division is
-    :func:`reciprocal_divide`. Markstein's theorem needs no overflow or underflow, so it is used
-    for ``2**-40 <= s <= 2**40`` and ``2**-40 <= |q0| <= 2**40`` only; outside, ``q0`` already
-    quantizes like ``RN(x/s)`` (to +-0 with its sign, or to +-max, inf and NaN included) and other
-    scales take ``div_rn``. The GPU suite checks it on all 2**32 fp32 inputs for a set of scales.
+
+@jit
+def scalar_reciprocal(s, KIND: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """``RN(1 / s)`` for :func:`divide`'s reciprocal path (one per program); ``s`` where that
+    path is not taken."""
+    if RECIPROCAL and not EXACT and (KIND == SCALE_VALUE or KIND == SCALE_TENSOR):
+        y = tl.math.div_rn(s * 0.0 + 1.0, s)
+    else:
+        y = s
+    return y
+
+
+@jit
+def divide(x, s, y, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """``x / s`` correctly rounded (IEEE fp32) for one scale ``s`` > 0 (``y``: its
+    :func:`scalar_reciprocal`).
+
+    With RECIPROCAL (fast path) the division is :func:`reciprocal_divide`. Markstein's theorem
+    needs no overflow or underflow, so it is used for ``2**-40 <= s <= 2**40`` and
+    ``2**-40 <= |q0| <= 2**40`` only; outside, ``q0`` already quantizes like ``RN(x/s)`` (to +-0
+    with its sign, or to +-max, inf and NaN included) and other scales take ``div_rn``. The GPU
+    suite checks it on all 2**32 fp32 inputs for a set of scales.
     """
-    if EXACT or not SCALAR or not RECIPROCAL:
+    if EXACT or not RECIPROCAL:
         q = tl.math.div_rn(x, s)
     else:
         if (s >= 2.0 ** -40) & (s <= 2.0 ** 40):
-            q0, q2 = reciprocal_divide(x, s, tl.math.div_rn(s * 0.0 + 1.0, s))
+            q0, q2 = reciprocal_divide(x, s, y)
             a = tl.abs(q0)
             q = tl.where((a >= 2.0 ** -40) & (a <= 2.0 ** 40), q2, q0)
         else:
