@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from fp8kv.spelling import check_flag
 from fp8kv.validate import (check_dequantize, check_slots_in_range, check_table_in_range,
                             check_write, dequantized_shape, frontend_args)
 
@@ -44,6 +45,7 @@ def _key_value(caches: tuple) -> tuple:
 def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
            key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
     """The new caches, then the new side scale arrays (None for a side without one) if any."""
+    check_flag(check_bounds, "check_bounds")
     caches = as_caches(caches)
     key, value, slots = as_array(key, "key"), as_array(value, "value"), as_array(slots, "slots")
     key_scale, value_scale, key_scale_cache, value_scale_cache = as_scales(
@@ -188,6 +190,7 @@ def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slo
 
 def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format, null_page,
                 key_scale_cache, value_scale_cache, head_dim, check_bounds):
+    check_flag(check_bounds, "check_bounds")
     caches = as_caches(caches)
     block_table = as_array(block_table, "block_table")
     key_scale, value_scale, key_scale_cache, value_scale_cache = as_scales(
@@ -236,6 +239,8 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
     key_scale, value_scale : None, float or jax.Array
         As in :func:`write_kv`: ``out = round(fp32(decode(q)) * scale)``.
     dtype : jnp.bfloat16 (default), jnp.float16 or jnp.float32
+        Or the same as a NumPy dtype or by name (``"bfloat16"``, ``"float16"``, ``"float32"``,
+        as ``fp8kv_torch`` takes them).
     layout : {"NHD", "HND"}
     fp8_format : {None, "e4m3", "e5m2"}
     null_page : int, optional

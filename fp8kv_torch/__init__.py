@@ -11,8 +11,11 @@ from typing import Sequence, Union
 
 import torch
 
+from fp8kv.spelling import check_flag
+
 from . import _launch
 from ._ops import dequantize_pages_op, split_scales, write_kv_op
+from ._spelling import output_dtype
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
 
@@ -23,6 +26,8 @@ ScaleCache = Union[Tensor, str, None]
 
 def _write(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
            key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
+    if check_bounds is not False:
+        check_flag(check_bounds, "check_bounds")
     if torch.compiler.is_compiling():
         if check_bounds:
             _launch.host_values(slots, "slots")   # raises: no host reads in a compiled graph
@@ -145,8 +150,9 @@ def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tenso
 def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
                 fp8_format, null_page, out, combined, key_scale_cache, value_scale_cache, head_dim,
                 check_bounds):
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+    if check_bounds is not False:
+        check_flag(check_bounds, "check_bounds")
+    dtype = output_dtype(dtype)
     outs = None
     if out is not None:
         outs = tuple(out)
@@ -181,7 +187,7 @@ def _dequantize(key_cache, value_cache, block_table, key_scale, value_scale, dty
 
 def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                      key_scale: Scale = None, value_scale: Scale = None, *,
-                     dtype: torch.dtype = torch.bfloat16, layout: str = "NHD",
+                     dtype: torch.dtype | str = torch.bfloat16, layout: str = "NHD",
                      fp8_format: str | None = None, null_page: int | None = None,
                      out: Sequence[Tensor] | None = None, key_scale_cache: ScaleCache = None,
                      value_scale_cache: ScaleCache = None,
@@ -199,8 +205,9 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
         ``>= num_pages`` are padding.
     key_scale, value_scale : None, float or torch.Tensor
         As in :func:`write_kv`: ``out = round(fp32(decode(q)) * scale)``.
-    dtype : torch.dtype
-        ``torch.bfloat16`` (default), ``torch.float16`` or ``torch.float32``.
+    dtype : torch.dtype or str
+        ``torch.bfloat16`` (default), ``torch.float16`` or ``torch.float32``, or the same by name
+        (``"bfloat16"``, ``"float16"``, ``"float32"``, as ``fp8kv_jax`` takes them).
     layout : {"NHD", "HND"}
     fp8_format : {None, "e4m3", "e5m2"}
     null_page : int, optional
@@ -247,7 +254,7 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
 
 
 def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: Scale = None,
-                              value_scale: Scale = None, *, dtype: torch.dtype = torch.bfloat16,
+                              value_scale: Scale = None, *, dtype: torch.dtype | str = torch.bfloat16,
                               layout: str = "NHD", fp8_format: str | None = None,
                               null_page: int | None = None,
                               out: Sequence[Tensor] | None = None,

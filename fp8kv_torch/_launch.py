@@ -369,8 +369,10 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
     if not table_out.is_contiguous():
         raise ValueError("out[-1]: expected a contiguous new_block_table")
     backend = _backend(key_cache, "key_cache")
+    if not launch:  # validation only: no plan (plan_dequantize's lru_cache warns under Dynamo)
+        return outs
     plan = plan_dequantize(args, key_info, value_info, backend, exact)
-    if plan.empty or not launch:
+    if plan.empty:
         return outs
     _launch(ops._dequantize_pages_kernel, plan, backend, key_cache.device, DEQUANTIZE_OPERANDS,
             _dequantize_operands(key_cache, value_cache, block_table, key_scale, value_scale, outs,
