@@ -254,7 +254,8 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
 
 
 def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: Scale = None,
-                              value_scale: Scale = None, *, dtype: torch.dtype | str = torch.bfloat16,
+                              value_scale: Scale = None, *,
+                              dtype: torch.dtype | str = torch.bfloat16,
                               layout: str = "NHD", fp8_format: str | None = None,
                               null_page: int | None = None,
                               out: Sequence[Tensor] | None = None,
