@@ -218,6 +218,23 @@ def run(out_dir: pathlib.Path) -> list[dict]:
     return rows
 
 
+def section(out_dir: pathlib.Path) -> str:
+    """:func:`run`, and the results as a section of ``summary.md`` (what ``python -m bench``
+    shows)."""
+    rows = run(out_dir)
+    return "\n".join([
+        "### Attention accuracy of an FP8 KV cache per scale scheme (NumPy: real data, not a "
+        "timing)", "",
+        "Computed with NumPy through fp8kv's reference write and dequantize (the exact bytes of "
+        "the kernels); real results on any machine, not a timing. Decode attention "
+        f"({NUM_QUERIES} queries, {Q_HEADS} query heads over {KV_HEADS} kv heads, head_dim "
+        f"{HEAD_DIM}) over bf16 K/V against the same attention over K/V written to an FP8 cache "
+        "and read back as bf16; `plain` and `outliers` K/V (see bench/accuracy.py). Errors are "
+        "relative L2 and max abs of the attention output, and relative L2 of K and V.", "",
+        markdown(rows), "",
+        "![Attention accuracy of an FP8 KV cache per scale scheme](accuracy.png)", ""])
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.accuracy",
                                 description="FP8 KV-cache attention accuracy per scale scheme.")

@@ -136,8 +136,10 @@ def _write_difference(case, anchor_call) -> int:
     return int(sum((c.view(torch.uint8) != w).sum().item() for c, w in zip(caches, want)))
 
 
-def eager_tables(device, cfg: Config, cuda: bool):
-    """Yield the dequantize and write eager tables; the floor is measured once, first."""
+def eager_tables(device, cfg: Config, timer, copy_gbps: float):
+    """Yield the dequantize and write eager tables; the floor is measured once, first. (The
+    tables time calls their own way, not with ``timer``.)"""
+    cuda = timer.cuda
     floor_us = _floor_us(device, cfg, cuda)
     print(f"  eager floor: empty Triton kernel {floor_us:.2f} us per call", flush=True)
     yield table_eager_dequant(device, cfg, cuda, floor_us)

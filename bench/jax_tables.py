@@ -190,7 +190,7 @@ def table_write_jax(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool) -
                 table.add(name, tokens, provider, "loop", us / cfg.jax_loop, nbytes)
                 del caches
             except Exception as e:  # report and go on: the other provider and sizes still count
-                table.note(f"{provider} at {tokens} tokens failed: {type(e).__name__}: {e}")
+                table.fail(f"{provider} at {tokens} tokens: {type(e).__name__}: {e}")
         if len(written) == 2 and not all(_bytes_equal(jax, a, b) for a, b in zip(*written)):
             mismatched.append(tokens)
         del written
@@ -202,7 +202,8 @@ def table_write_jax(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool) -
 
 
 def add_dequant_rows(jax, fp8kv_jax, cfg: Config, table: Table) -> None:
-    """Add ``fp8kv-jax`` rows (jitted call, and per call inside a fori_loop) to the dequant table."""
+    """Add ``fp8kv-jax`` rows (jitted call, and per call inside a fori_loop) to the dequant table,
+    and a note that says what they are."""
     import jax.numpy as jnp
 
     shape = (cfg.dequant_cache_pages, PAGE_SIZE, HEADS, HEAD_DIM)
@@ -227,7 +228,9 @@ def add_dequant_rows(jax, fp8kv_jax, cfg: Config, table: Table) -> None:
             table.add(name, entries, "fp8kv-jax", "loop", us / cfg.jax_loop, nbytes)
             del outs
         except Exception as e:
-            table.note(f"fp8kv-jax dequantize at {name} failed: {type(e).__name__}: {e}")
+            table.fail(f"fp8kv-jax dequantize at {name}: {type(e).__name__}: {e}")
+    table.note("fp8kv-jax rows: `call` = wall time of one `jax.jit` call to `block_until_ready`; "
+               f"`loop` = a jitted fori_loop of {cfg.jax_loop} calls / {cfg.jax_loop}.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +289,7 @@ def _add_call_rows(jax, table: Table, steps: dict, nbytes: int, cfg: Config) -> 
                 table.add(case, size, provider, mode, us, 0 if provider in FLOORS else nbytes)
         except Exception as e:  # report and go on: the other cases still count
             cases = sorted({str(case) for case, _, _ in steps})
-            table.note(f"{mode} calls at {', '.join(cases)} failed: {type(e).__name__}: {e}")
+            table.fail(f"{mode} calls at {', '.join(cases)}: {type(e).__name__}: {e}")
 
 
 FLOOR_XLA, FLOOR_TRITON = "floor: xla x+1", "floor: empty jax-triton"
@@ -347,7 +350,7 @@ def write_steps(jax, fp8kv_jax, table: Table, case: str, size: int, tokens: int,
             steps[case, size, provider] = [
                 lambda c, call=call: tuple(call(key, value, *c, slots, scale, scale)), caches]
         except Exception as e:  # report and go on: the other provider and sizes still count
-            table.note(f"{provider} at {case} failed: {type(e).__name__}: {e}")
+            table.fail(f"{provider} at {case}: {type(e).__name__}: {e}")
     if len(written) != 2:
         return steps, None
     return steps, all(bool((a == b).all()) for a, b in zip(*written))
@@ -509,7 +512,7 @@ def table_dequant_jax_calls(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda:
                 outputs.append(jax.block_until_ready(tuple(call(*args))))
                 steps[name, entries, provider] = [lambda _, call=call: call(*args), None]
             except Exception as e:
-                table.note(f"{provider} at {name} failed: {type(e).__name__}: {e}")
+                table.fail(f"{provider} at {name}: {type(e).__name__}: {e}")
         _add_call_rows(jax, table, steps, nbytes, cfg)
         del steps
         if len(outputs) == 2 and not all(_bytes_equal(jax, a, b) for a, b in zip(*outputs)):

@@ -26,8 +26,10 @@ class Table:
 
     ``plot`` is ``"lines"`` (time and GB/s against ``size``), ``"bars"`` (GB/s per case) or
     ``"time"`` (time per call per case; rows of provider ``floor`` drawn as lines);
-    ``sort`` lists rows fastest first (the sweep). ``notes`` collect skips and failures.
-    ``label`` (e.g. "CPU interpreter - not performance") is appended to the title everywhere.
+    ``sort`` lists rows fastest first (the sweep). ``notes`` collect skips and failures;
+    ``failures`` the part of a table that failed while the rest still ran (the run then fails).
+    ``label`` (e.g. "CPU interpreter - not performance") is appended to the title everywhere and
+    is the ``label`` column of every CSV row.
     """
 
     key: str
@@ -38,6 +40,7 @@ class Table:
     sort: bool = False
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
     label: str = ""
 
     @property
@@ -59,6 +62,11 @@ class Table:
         print(f"  {self.key}: {text}", flush=True)
         self.notes.append(text)
 
+    def fail(self, text: str) -> None:
+        """A part of the table failed (the other rows still count): noted, and the run fails."""
+        self.note(f"FAILED: {text}")
+        self.failures.append(text)
+
     def ordered(self) -> list[Row]:
         return sorted(self.rows, key=lambda r: r.time_us) if self.sort else list(self.rows)
 
@@ -78,29 +86,41 @@ def _num(x: float) -> str:
     return f"{x:.2e}"
 
 
+CSV_COLUMNS = ("case", "size", "provider", "mode", "time_us", "bytes", "gbps", "pct_of_copy",
+               "label")
+
+
 def write_csv(table: Table, copy_gbps: float, path: Path) -> None:
+    """The table's rows; ``label`` is the run's mark on every row (empty on a GPU run; "CPU
+    interpreter - not performance" without one). A table without rows has no CSV."""
+    if not table.rows:
+        raise ValueError(f"table {table.key}: no rows, so no CSV (notes: {table.notes})")
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["case", "size", "provider", "mode", "time_us", "bytes", "gbps", "pct_of_copy"])
+        w.writerow(CSV_COLUMNS)
         for r in table.ordered():
             w.writerow([r.case, r.size, r.provider, r.mode, f"{r.time_us:.6g}", r.nbytes,
-                        f"{r.gbps:.6g}", f"{100 * r.gbps / copy_gbps:.6g}"])
+                        f"{r.gbps:.6g}", f"{100 * r.gbps / copy_gbps:.6g}", table.label])
 
 
 def markdown(table: Table, copy_gbps: float, image: str | None = None) -> str:
-    """The table's README section: title, what it measures, the numbers, notes, the plot."""
+    """The table's README section: title, what it measures, the numbers, notes, the plot.
+
+    A table without rows says why there is no CSV and no plot (its notes)."""
     lines = [f"### {table.full_title}", "", table.description, ""]
-    if table.rows:
-        lines += ["| case | provider | mode | time (us) | GB/s | % of copy |",
-                  "| --- | --- | --- | ---: | ---: | ---: |"]
-        lines += [f"| {r.case} | {r.provider} | {r.mode} | {_num(r.time_us)} | "
-                  + (f"{_num(r.gbps)} | {_num(100 * r.gbps / copy_gbps)} |" if r.nbytes
-                     else "- | - |")
-                  for r in table.ordered()]
-        lines.append("")
+    if not table.rows:
+        reason = "; ".join(n.rstrip(".") for n in table.notes) or "nothing ran"
+        return "\n".join(lines + [f"No rows, so no CSV and no plot: {reason}.", ""])
+    lines += ["| case | provider | mode | time (us) | GB/s | % of copy |",
+              "| --- | --- | --- | ---: | ---: | ---: |"]
+    lines += [f"| {r.case} | {r.provider} | {r.mode} | {_num(r.time_us)} | "
+              + (f"{_num(r.gbps)} | {_num(100 * r.gbps / copy_gbps)} |" if r.nbytes
+                 else "- | - |")
+              for r in table.ordered()]
+    lines.append("")
     lines += [f"- {n}" for n in table.notes]
     if table.notes:
         lines.append("")
-    if image and table.rows:
+    if image:
         lines += [f"![{table.full_title}]({image})", ""]
     return "\n".join(lines)

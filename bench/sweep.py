@@ -125,7 +125,7 @@ def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
     return table
 
 
-def sweep_tables(device, cfg: Config, timer: Timer):
+def sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
     """Table 5: time every size-table candidate (graph mode) and exact vs fast conversions.
 
     Yields each table as it completes. On the CPU the interpreter's size table is swept instead,

@@ -23,13 +23,6 @@ FP32_MIN_NORMAL = 2.0 ** -126
 FP32_MAX = float.fromhex("0x1.fffffep127")
 
 
-def check_bool(value, name: str) -> bool:
-    """``value``, a bool (``1`` or ``"yes"`` is a TypeError naming the argument)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-    return value
-
-
 def check_choice(value, name: str, choices) -> str:
     """``value``, one of the strings ``choices`` (a ValueError naming them otherwise)."""
     if not isinstance(value, str) or value not in choices:

@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from fp8kv.validate import (check_bool, check_dequantize, check_slots_in_range,
-                            check_table_in_range, check_write, dequantized_shape, frontend_args)
+from fp8kv.spelling import check_flag
+from fp8kv.validate import (check_dequantize, check_slots_in_range, check_table_in_range,
+                            check_write, dequantized_shape, frontend_args)
 
 from . import _args, _jnp, _triton
 from ._args import as_array, as_scales, device_array
@@ -48,7 +49,7 @@ def _scales(key_scale, value_scale, key_scale_cache, value_scale_cache) -> dict:
 def _write(arrays: dict, scales: dict, layout, fp8_format, scale_rounding, check_bounds):
     """The new caches (``arrays``' cache entries, in order), then the new side scale arrays
     (None for a side without one) if any is given."""
-    check_bool(check_bounds, "check_bounds")
+    check_flag(check_bounds, "check_bounds")
     arrays = {name: as_array(x, name) for name, x in arrays.items()}
     args = check_write(**frontend_args(_args.info, jax.Array, arrays, scales), layout=layout,
                        fp8_format=fp8_format, scale_rounding=scale_rounding)
@@ -195,7 +196,7 @@ def _dequantize(arrays: dict, scales: dict, dtype, layout, fp8_format, null_page
                 check_bounds):
     """``(key_pages, value_pages, new_block_table)``, or ``(kv_pages, new_block_table)`` for a
     combined ``arrays["kv_cache"]``."""
-    check_bool(check_bounds, "check_bounds")
+    check_flag(check_bounds, "check_bounds")
     arrays = {name: as_array(x, name) for name, x in arrays.items()}
     args = check_dequantize(**frontend_args(_args.info, jax.Array, arrays, scales),
                             dtype=_args.dtype_name(dtype), layout=layout, fp8_format=fp8_format,
@@ -239,6 +240,8 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
     key_scale, value_scale : None, float or jax.Array
         As in :func:`write_kv`: ``out = round(fp32(decode(q)) * scale)``.
     dtype : jnp.bfloat16 (default), jnp.float16 or jnp.float32
+        Or the same as a NumPy dtype or by name (``"bfloat16"``, ``"float16"``, ``"float32"``,
+        as ``fp8kv_torch`` takes them).
     layout : {"NHD", "HND"}
     fp8_format : {None, "e4m3", "e5m2"}
     null_page : int, optional

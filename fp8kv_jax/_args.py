@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8kv.arrays import ArrayInfo
+from fp8kv.spelling import output_dtype_name
 
 # JAX arrays have no strides and no per-array device the core could compare (jit places them):
 # every array is contiguous and lives on this one "device".
@@ -49,12 +50,19 @@ def info(x: jax.Array, name: str) -> ArrayInfo:
     return ArrayInfo.contiguous(x.shape, jnp.dtype(x.dtype).name, DEVICE)
 
 
-def dtype_name(dtype) -> str:
+def _jax_name(dtype) -> str | None:
+    """The name of a JAX or NumPy dtype (``jnp.bfloat16``, ``np.dtype("float32")``), else None."""
+    if dtype is None:   # jnp.dtype(None) is the default float type: not a spelling of one
+        return None
     try:
         return jnp.dtype(dtype).name
-    except TypeError:
-        raise TypeError(f"dtype: expected jnp.bfloat16, jnp.float16 or jnp.float32, got "
-                        f"{dtype!r}") from None
+    except (TypeError, ValueError):
+        return None
+
+
+def dtype_name(dtype) -> str:
+    """An output dtype as the core names it; the core's error (:mod:`fp8kv.spelling`) otherwise."""
+    return output_dtype_name(dtype, _jax_name)
 
 
 def _is_cuda(device) -> bool:

@@ -11,10 +11,11 @@ from typing import Sequence, Union
 
 import torch
 
-from fp8kv.validate import check_bool
+from fp8kv.spelling import check_flag
 
 from . import _launch
 from ._fast import FastPathWarning
+from ._spelling import output_dtype
 from ._ops import (dequantize_pages_combined_op, dequantize_pages_op, split_scales,
                    write_kv_combined_op, write_kv_op)
 
@@ -29,7 +30,7 @@ ScaleCache = Union[Tensor, str, None]
 def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
            key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
     """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op."""
-    check_bool(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
+    check_flag(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
     combined = len(caches) == 1
     if torch.compiler.is_compiling():
         if check_bounds:
@@ -154,10 +155,9 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
                 null_page, out, key_scale_cache, value_scale_cache, head_dim, check_bounds):
     """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op; returns
     the outputs, one per page array, then the new block table."""
-    check_bool(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
+    check_flag(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
     combined = len(caches) == 1
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+    dtype = output_dtype(dtype)
     outs = None
     if out is not None:
         outs = tuple(out)
@@ -189,7 +189,7 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
 
 def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                      key_scale: Scale = None, value_scale: Scale = None, *,
-                     dtype: torch.dtype = torch.bfloat16, layout: str = "NHD",
+                     dtype: torch.dtype | str = torch.bfloat16, layout: str = "NHD",
                      fp8_format: str | None = None, null_page: int | None = None,
                      out: Sequence[Tensor] | None = None, key_scale_cache: ScaleCache = None,
                      value_scale_cache: ScaleCache = None,
@@ -207,8 +207,9 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
         ``>= num_pages`` are padding.
     key_scale, value_scale : None, float or torch.Tensor
         As in :func:`write_kv`: ``out = round(fp32(decode(q)) * scale)``.
-    dtype : torch.dtype
-        ``torch.bfloat16`` (default), ``torch.float16`` or ``torch.float32``.
+    dtype : torch.dtype or str
+        ``torch.bfloat16`` (default), ``torch.float16`` or ``torch.float32``, or the same by name
+        (``"bfloat16"``, ``"float16"``, ``"float32"``, as ``fp8kv_jax`` takes them).
     layout : {"NHD", "HND"}
     fp8_format : {None, "e4m3", "e5m2"}
     null_page : int, optional
@@ -255,7 +256,8 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
 
 
 def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: Scale = None,
-                              value_scale: Scale = None, *, dtype: torch.dtype = torch.bfloat16,
+                              value_scale: Scale = None, *,
+                              dtype: torch.dtype | str = torch.bfloat16,
                               layout: str = "NHD", fp8_format: str | None = None,
                               null_page: int | None = None,
                               out: Sequence[Tensor] | None = None,

@@ -1,27 +1,38 @@
 #!/usr/bin/env bash
 # Source this: `. scripts/ci_leg.sh LEG [VENV]`. Creates (or updates) the virtual environment VENV
-# (default .venv-LEG) with LEG's pinned versions, installs fp8kv editable with its test extras,
-# activates it, and sets LEG_ARGS: the extra pytest arguments of that leg (.ci/run appends them to
-# the README's test command). The pins are the versions CI tests; pyproject.toml's ranges span them.
+# (default .venv-LEG) with LEG's pinned versions, installs fp8kv editable with its test and bench
+# extras, activates it, and sets LEG_ARGS: the extra pytest arguments of that leg (.ci/run appends
+# them to the README's test command). The pins are the versions CI tests; pyproject.toml's ranges
+# span them. Without an interpreter of the leg's Python version (scripts/find_python.sh) it says
+# in one line what to install or set, and returns 3 before making anything.
 #
 #   oldest  Python 3.11, torch 2.13.0 (CPU), triton 3.6.0, jax 0.10.2: the lower bounds (triton
 #           3.6.0 is the GPU image's).
 #   newest  Python 3.11, torch 2.13.0 (CPU), triton 3.9.0, jax 0.10.2 (the newest JAX on 3.11).
+#   torch214  Python 3.11, torch 2.14.1 with the triton it requires (3.8.0), jax 0.10.2: the
+#           newest torch inside the torch extra's range. A CUDA build (~6 GB installed), run on
+#           the CPU like the others.
 #   jax     Python 3.12, triton 3.9.0, jax 0.12.0.1 and no torch: the JAX-only install.
 #
-# torch is pinned to exactly 2.13.0 because that is the CPU build on this machine's disk; any other
-# torch request (and any torch on 3.12) pulls a multi-GB CUDA build.
+# torch is pinned to exactly 2.13.0 or 2.14.1 because those are the builds on this machine's disk
+# (2.13.0 a CPU build; 2.14.1 a CUDA build with its CUDA wheels); any other torch request (and any
+# torch on 3.12) pulls a multi-GB CUDA build from the index. torch 2.11, the extra's lower bound,
+# is what the GPU suite runs (scripts/gpu.sh).
 # The caller's shell options are restored at the end; a failing step exits (or fails) the caller.
 _ci_leg_opts=$(set +o)
+# A command substitution runs without errexit, so $(set +o) never records it: from $- instead.
+[[ $- == *e* ]] && _ci_leg_opts+=$'\nset -e'
 set -euo pipefail
 
-LEG=${1:?usage: . scripts/ci_leg.sh oldest|newest|jax [VENV]}
+LEG=${1:?usage: . scripts/ci_leg.sh oldest|newest|torch214|jax [VENV]}
 OLDEST_JAX=0.10.2
 case "$LEG" in
     oldest) PY_VERSION=3.11; JAX_PIN=$OLDEST_JAX; PINS=("torch==2.13.0" "triton==3.6.0") ;;
     newest) PY_VERSION=3.11; JAX_PIN=0.10.2;      PINS=("torch==2.13.0" "triton==3.9.0") ;;
+    torch214) PY_VERSION=3.11; JAX_PIN=0.10.2;    PINS=("torch==2.14.1" "triton==3.8.0") ;;
     jax)    PY_VERSION=3.12; JAX_PIN=0.12.0.1;    PINS=("triton==3.9.0") ;;
-    *) echo "ci_leg.sh: unknown leg '$LEG' (oldest, newest, jax)" >&2; eval "$_ci_leg_opts"
+    *) echo "ci_leg.sh: unknown leg '$LEG' (oldest, newest, torch214, jax)" >&2
+       eval "$_ci_leg_opts"
        return 2 2>/dev/null || exit 2 ;;
 esac
 PINS+=("jax==$JAX_PIN" "jaxlib==$JAX_PIN")
@@ -29,33 +40,22 @@ VENV=${2:-.venv-$LEG}
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-# An interpreter of exactly this minor version: PYTHON<major><minor> (e.g. PYTHON312) if set, else
-# pythonX.Y on PATH, else a pyenv-installed X.Y.
-find_python() {
-    local want=$1 var="PYTHON${1/./}" cand v root
-    for cand in "${!var:-}" "python$want"; do
-        if [ -n "$cand" ] && "$cand" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$want'.split('.'))))" 2>/dev/null; then
-            command -v "$cand"; return 0
-        fi
-    done
-    if command -v pyenv >/dev/null; then
-        root=$(pyenv root)
-        for v in $(pyenv versions --bare 2>/dev/null | grep -E "^${want//./\\.}\.[0-9]+$" | sort -V -r); do
-            [ -x "$root/versions/$v/bin/python" ] && { echo "$root/versions/$v/bin/python"; return 0; }
-        done
-    fi
-    echo "ci_leg.sh: no Python $want found (set PYTHON${want/./})" >&2
-    return 1
-}
-
+# shellcheck source=scripts/find_python.sh
+. scripts/find_python.sh
 if [ ! -x "$VENV/bin/python" ]; then
-    "$(find_python "$PY_VERSION")" -m venv "$VENV"
+    if ! BASE_PYTHON=$(find_python "$PY_VERSION"); then
+        echo "ci_leg.sh: leg '$LEG' needs Python $PY_VERSION (not found on PATH or in pyenv);" \
+             "install it or set PYTHON${PY_VERSION/./}=/path/to/python$PY_VERSION" >&2
+        eval "$_ci_leg_opts"
+        return 3 2>/dev/null || exit 3
+    fi
+    "$BASE_PYTHON" -m venv "$VENV"
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 python -m pip install -q "${PINS[@]}"
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,bench]"
 
 # What the leg must have, checked rather than assumed (a reused venv may hold anything).
 python - "$LEG" "$PY_VERSION" "${PINS[@]}" <<'PY'
@@ -83,9 +83,9 @@ PY
 
 LEG_ARGS=()
 case "$LEG" in
-    newest)
-        # Same JAX (and torch) as the oldest leg: the jnp path and its doctests would run exactly
-        # as there, so only what Triton runs (interpreter kernels, sm_90 compiles) runs again.
+    newest|torch214)
+        # Same JAX as the oldest leg: the jnp path and its doctests would run exactly as there,
+        # so only what torch and Triton run (interpreter kernels, sm_90 compiles) runs again.
         if [ "$JAX_PIN" = "$OLDEST_JAX" ]; then
             LEG_ARGS+=(--deselect tests/test_jax.py --deselect fp8kv_jax)
         fi ;;

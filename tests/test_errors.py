@@ -126,8 +126,11 @@ def dq_with(**changes):
 
 
 DEQUANT_ERRORS = [
-    ("dtype", dq_with(dtype=torch.int8), TypeError, r"dtype: expected bfloat16, float16 or float32, got int8"),
-    ("dtype-str", dq_with(dtype="bfloat16"), TypeError, r"dtype: expected a torch.dtype, got str"),
+    ("dtype", dq_with(dtype=torch.int8), TypeError,
+     r"dtype: expected one of 'bfloat16', 'float16', 'float32' \(a string, or the framework's "
+     r"dtype of one\), got torch.int8"),
+    ("dtype-str", dq_with(dtype="bf16"), TypeError,
+     r"dtype: expected one of 'bfloat16', 'float16', 'float32' .*, got 'bf16'"),
     ("table-dtype", dq_with(block_table=torch.zeros(2, 2, dtype=torch.float32)), TypeError,
      r"block_table: expected dtype int32 or int64, got float32"),
     ("table-rank", dq_with(block_table=torch.zeros(4, dtype=torch.int32)), ValueError,

@@ -411,10 +411,11 @@ BAD_CALLS = {
     "combined-shape": (lambda: fp8kv_jax.write_kv_combined(K, K, CACHE, SLOTS),
                        ValueError, r"kv_cache: expected a combined cache \[num_pages, 2, ...\]"),
     "out-dtype": (lambda: fp8kv_jax.dequantize_pages(CACHE, CACHE, TABLE, dtype=jnp.int8),
-                  TypeError, "dtype: expected bfloat16, float16 or float32, got int8"),
+                  TypeError, r"dtype: expected one of 'bfloat16', 'float16', 'float32' \(a "
+                  r"string, or the framework's dtype of one\), got .*int8"),
     "out-dtype-kind": (lambda: fp8kv_jax.dequantize_pages(CACHE, CACHE, TABLE, dtype="bf16x"),
                        TypeError,
-                       "dtype: expected jnp.bfloat16, jnp.float16 or jnp.float32, got 'bf16x'"),
+                       r"dtype: expected one of 'bfloat16', 'float16', 'float32' .*, got 'bf16x'"),
     "table-rank": (lambda: fp8kv_jax.dequantize_pages(CACHE, CACHE, TABLE[0]),
                    ValueError,
                    r"block_table: expected rank 2 \[batch, pages_per_seq\], got shape \[3\]"),
