@@ -2,8 +2,9 @@
 
 Every case of tests/cases.py runs through the public API (whole poisoned caches are compared), plus
 combined caches, every 16-bit input pattern and every fp8 code, jit with donation and traced
-arguments, shard_map over kv heads, property tests and bad inputs. Tests marked ``gpu`` need JAX
-on an NVIDIA GPU (with jax-triton) and are skipped, with that reason, elsewhere.
+arguments, shard_map over kv heads and property tests (bad inputs: tests/test_bad_inputs.py).
+Tests marked ``gpu`` need JAX on an NVIDIA GPU (with jax-triton) and are skipped, with that
+reason, elsewhere.
 """
 from __future__ import annotations
 
@@ -365,78 +366,6 @@ def test_shard_map_two_cpu_devices_matches_unsharded():
         print("OK")
         """, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     assert out.strip().endswith("OK")
-
-
-# ---------------------------------------------------------------------------------------------
-# Bad inputs: the core's errors, raised before anything runs.
-
-K = jnp.zeros((3, 2, 8), jnp.bfloat16)
-CACHE = jnp.zeros((4, 16, 2, 8), jnp.float8_e4m3fn)
-SLOTS = jnp.arange(3, dtype=jnp.int32)
-TABLE = jnp.zeros((2, 3), jnp.int32)
-
-BAD_CALLS = {
-    "layout": (lambda: fp8kv_jax.write_kv(K, K, CACHE, CACHE, SLOTS, layout="NDH"),
-               ValueError, "layout: expected 'NHD' or 'HND', got 'NDH'"),
-    "key-dtype": (lambda: fp8kv_jax.write_kv(K.astype(jnp.int32), K, CACHE, CACHE, SLOTS),
-                  TypeError, "key: expected dtype bfloat16 or float16 or float32, got int32"),
-    "key-not-array": (lambda: fp8kv_jax.write_kv([[[1.0]]], K, CACHE, CACHE, SLOTS),
-                      TypeError, "key: expected a jax.Array, got list"),
-    "value-rank": (lambda: fp8kv_jax.write_kv(K, K[0], CACHE, CACHE, SLOTS),
-                   ValueError, r"value: expected rank 3 \[num_tokens, num_kv_heads, head_dim\]"),
-    "cache-dtype": (lambda: fp8kv_jax.write_kv(K, K, CACHE.astype(jnp.bfloat16), CACHE, SLOTS),
-                    TypeError, "key_cache: expected dtype float8_e4m3fn or float8_e5m2 or uint8"),
-    "cache-shapes": (lambda: fp8kv_jax.write_kv(K, K, CACHE, CACHE[:2], SLOTS),
-                     ValueError, r"value_cache: expected the shape of key_cache \[4, 16, 2, 8\]"),
-    "heads": (lambda: fp8kv_jax.write_kv(K[:, :1], K[:, :1], CACHE, CACHE, SLOTS),
-              ValueError, "key_cache: expected num_kv_heads=1 and head_dim=8"),
-    "format": (lambda: fp8kv_jax.write_kv(K, K, CACHE, CACHE, SLOTS, fp8_format="e5m2"),
-               ValueError, "fp8_format: key_cache is float8_e4m3fn, which is 'e4m3'"),
-    "format-name": (lambda: fp8kv_jax.write_kv(K, K, CACHE, CACHE, SLOTS, fp8_format="e3m4"),
-                    ValueError, "fp8_format: expected 'e4m3', 'e5m2' or None, got 'e3m4'"),
-    "slots-dtype": (lambda: fp8kv_jax.write_kv(K, K, CACHE, CACHE, SLOTS.astype(jnp.float32)),
-                    TypeError, "slots: expected dtype int32 or int64, got float32"),
-    "slots-shape": (lambda: fp8kv_jax.write_kv(K, K, CACHE, CACHE, SLOTS[:2]),
-                    ValueError, r"slots: expected shape \[3\] \(one per token\), got \[2\]"),
-    "scale-value": (lambda: fp8kv_jax.write_kv(K, K, CACHE, CACHE, SLOTS, -1.0),
-                    ValueError, "key_scale: expected a finite scale > 0, got -1.0"),
-    "scale-kind": (lambda: fp8kv_jax.write_kv(K, K, CACHE, CACHE, SLOTS, None, "1"),
-                   TypeError, "value_scale: expected None, a float or a float32 array, got str"),
-    "scale-dtype": (lambda: fp8kv_jax.write_kv(K, K, CACHE, CACHE, SLOTS,
-                                               jnp.ones((), jnp.bfloat16)),
-                    TypeError, "key_scale: expected dtype float32, got bfloat16"),
-    "scale-shape": (lambda: fp8kv_jax.write_kv(K, K, CACHE, CACHE, SLOTS, jnp.ones(3)),
-                    ValueError,
-                    r"key_scale: expected shape \[\], \[1\] or \[2\] \(num_kv_heads\), got \[3\]"),
-    "combined-shape": (lambda: fp8kv_jax.write_kv_combined(K, K, CACHE, SLOTS),
-                       ValueError, r"kv_cache: expected a combined cache \[num_pages, 2, ...\]"),
-    "out-dtype": (lambda: fp8kv_jax.dequantize_pages(CACHE, CACHE, TABLE, dtype=jnp.int8),
-                  TypeError, "dtype: expected bfloat16, float16 or float32, got int8"),
-    "out-dtype-kind": (lambda: fp8kv_jax.dequantize_pages(CACHE, CACHE, TABLE, dtype="bf16x"),
-                       TypeError,
-                       "dtype: expected jnp.bfloat16, jnp.float16 or jnp.float32, got 'bf16x'"),
-    "table-rank": (lambda: fp8kv_jax.dequantize_pages(CACHE, CACHE, TABLE[0]),
-                   ValueError,
-                   r"block_table: expected rank 2 \[batch, pages_per_seq\], got shape \[3\]"),
-    "table-dtype": (lambda: fp8kv_jax.dequantize_pages(CACHE, CACHE, TABLE.astype(jnp.uint8)),
-                    TypeError, "block_table: expected dtype int32 or int64, got uint8"),
-    "null-page": (lambda: fp8kv_jax.dequantize_pages(CACHE, CACHE, TABLE, null_page=0.0),
-                  TypeError, "null_page: expected None or an int, got float"),
-    "dequant-combined": (lambda: fp8kv_jax.dequantize_pages_combined(CACHE[:, :3], TABLE),
-                         ValueError, r"kv_cache: expected a combined cache \[num_pages, 2, ...\]"),
-}
-
-
-@pytest.mark.parametrize("name", BAD_CALLS)
-def test_bad_input_raises(name):
-    call, error, match = BAD_CALLS[name]
-    with pytest.raises(error, match=match):
-        call()
-
-
-def test_bad_input_raises_under_jit():
-    with pytest.raises(ValueError, match=r"slots: expected shape \[3\]"):
-        jax.jit(fp8kv_jax.write_kv)(K, K, CACHE, CACHE, SLOTS[:2])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -136,54 +136,6 @@ def test_dequantize_pages_combined_parity(case):
 
 
 # ---------------------------------------------------------------------------------------------
-# Both frontends reject bad input with the same error (the core's).
-
-_K = np.zeros((3, 2, 8), np.float32)
-_CACHE = np.zeros((4, 16, 2, 8), np.uint8)
-_SLOTS = np.arange(3, dtype=np.int32)
-_TABLE = np.zeros((2, 3), np.int32)
-
-
-
-def _write(api, a, key=_K, value=_K, key_cache=_CACHE, value_cache=_CACHE, slots=_SLOTS, *scales,
-           **kwargs):
-    return api.write_kv(a(key), a(value), a(key_cache), a(value_cache), a(slots),
-                        *(a(s) if isinstance(s, np.ndarray) else s for s in scales), **kwargs)
-
-
-BAD_CALLS = {
-    "key-dtype": lambda api, a: _write(api, a, key=_K.astype(np.int32)),
-    "value-rank": lambda api, a: _write(api, a, value=_K[0]),
-    "cache-shapes": lambda api, a: _write(api, a, value_cache=_CACHE[:2]),
-    "heads": lambda api, a: _write(api, a, _K[:, :1], _K[:, :1]),
-    "layout": lambda api, a: _write(api, a, layout="nhd"),
-    "format": lambda api, a: _write(api, a, fp8_format="fp8"),
-    "slots-shape": lambda api, a: _write(api, a, slots=_SLOTS[:1]),
-    "scale-shape": lambda api, a: _write(api, a, _K, _K, _CACHE, _CACHE, _SLOTS,
-                                         np.ones(5, np.float32)),
-    "scale-value": lambda api, a: _write(api, a, _K, _K, _CACHE, _CACHE, _SLOTS, None, 0.0),
-    "combined-shape": lambda api, a: api.write_kv_combined(a(_K), a(_K), a(_CACHE), a(_SLOTS)),
-    "table-rank": lambda api, a: api.dequantize_pages(a(_CACHE), a(_CACHE), a(_TABLE[0])),
-    "null-page": lambda api, a: api.dequantize_pages(a(_CACHE), a(_CACHE), a(_TABLE),
-                                                     null_page="0"),
-}
-
-
-def _error(call):
-    with pytest.raises((TypeError, ValueError)) as info:
-        call()
-    return type(info.value), str(info.value)
-
-
-@pytest.mark.parametrize("name", BAD_CALLS)
-def test_same_errors(name):
-    call = BAD_CALLS[name]
-    with jax.default_device(JAX_DEVICE):
-        jax_error = _error(lambda: call(fp8kv_jax, lambda a: jax.device_put(a, JAX_DEVICE)))
-    assert _error(lambda: call(fp8kv_torch, to_torch)) == jax_error
-
-
-# ---------------------------------------------------------------------------------------------
 # DLPack: zero-copy handoff both ways, and a cache shared across donated writes.
 
 @pytest.mark.parametrize("platform", PLATFORMS)
