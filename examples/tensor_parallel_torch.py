@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 # NVLink multicast (NVLS) stays off: on shared hosts it can take the GPUs out of service.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -48,10 +49,14 @@ def step(key, value, slots, key_scale, table, device):
     return [t.view(torch.uint8) for t in (k_cache, v_cache, k_pages, v_pages)]
 
 
-def run_rank(rank: int, world: int, backend: str, port: int) -> bool:
-    """Run on one rank; rank 0 returns whether the gathered shards equal the full run."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+def run_rank(rank: int, world: int, backend: str, init_method: str = "env://") -> bool:
+    """Run on one rank; rank 0 returns whether the gathered shards equal the full run.
+
+    ``init_method``: how the ranks meet (``torch.distributed.init_process_group``): ``env://``
+    under torchrun (``MASTER_ADDR`` / ``MASTER_PORT``), else what :func:`spawn` passes
+    (``file://...`` or ``tcp://127.0.0.1:<port>``).
+    """
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
@@ -75,18 +80,30 @@ def run_rank(rank: int, world: int, backend: str, port: int) -> bool:
     return ok
 
 
-def _spawned(rank, world, backend, port, result_queue):
-    ok = run_rank(rank, world, backend, port)
+def _spawned(rank, world, backend, init_method, result_queue):
+    ok = run_rank(rank, world, backend, init_method)
     if rank == 0:
         result_queue.put(ok)
 
 
-def spawn(world: int, backend: str, port: int = 29511) -> bool:
-    """Start ``world`` ranks with torch.multiprocessing; True if rank 0 saw identical bytes."""
+def free_port_init_method() -> str:
+    """``tcp://127.0.0.1:<port>`` with a port the system just reported free (port 0 bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def spawn(world: int, backend: str, init_method: str | None = None) -> bool:
+    """Start ``world`` ranks with torch.multiprocessing; True if rank 0 saw identical bytes.
+
+    ``init_method``: where the ranks meet, e.g. ``file://<path of a file not yet created>``;
+    default: TCP on a free local port (:func:`free_port_init_method`).
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_spawned, args=(world, backend, port, queue), nprocs=world, join=True,
-                       start_method="spawn")
+    init_method = init_method or free_port_init_method()
+    mp.start_processes(_spawned, args=(world, backend, init_method, queue), nprocs=world,
+                       join=True, start_method="spawn")
     return queue.get()
 
 
@@ -96,7 +113,7 @@ if __name__ == "__main__":
     p.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
     args = p.parse_args()
     if "RANK" in os.environ:  # under torchrun
-        run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.backend,
-                 int(os.environ.get("MASTER_PORT", 29500)))
+        ok = run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.backend)
+        raise SystemExit(0 if ok else 1)
     else:
         raise SystemExit(0 if spawn(args.world, args.backend) else 1)

@@ -58,5 +58,7 @@ def output_dtype_name(value, framework_name: Callable[[object], str | None],
     """
     found = value if isinstance(value, str) else framework_name(value)
     if found not in OUTPUT_DTYPES:
-        raise dtype_error(value, name)
+        # A framework dtype is named as the core names dtypes (torch.int8 and jnp.int8 are both
+        # "int8"), so both frontends word the same mistake the same way.
+        raise dtype_error(value if found is None or isinstance(value, str) else found, name)
     return found

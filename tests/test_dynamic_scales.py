@@ -3,7 +3,8 @@
 Side scale arrays (per token-head and per token) in every layout, inline scales (+4 and +16),
 e4m3/e5m2, exact/pow2 rounding, padding slots, poisoned data and scale caches, special groups
 (all zero, NaN, inf, subnormal), dequantization reading the scales back, torch vs JAX parity, the
-JAX GPU launch glue in the interpreter, argument errors, and the custom op.
+JAX GPU launch glue in the interpreter, and the custom op (argument errors:
+tests/bad_inputs.py).
 """
 from __future__ import annotations
 
@@ -264,61 +265,11 @@ def test_mixed_static_key_dynamic_value_round_trip(device, key_scale):
 
 
 # ---------------------------------------------------------------------------------------------
-# Errors: raised before anything is written.
-
-def _err_inputs():
-    case = DynCase()
-    x = {k: _t(v, "cpu") for k, v in inputs(case).items()}
-    return case, x
-
-
-@pytest.mark.parametrize("change, exc, match", [
-    (dict(key_scale_cache=torch.zeros(3, 16, 3, dtype=torch.float16)), TypeError,
-     r"key_scale_cache: expected dtype float32, got float16"),
-    (dict(value_scale_cache=torch.zeros(3, 16, 4)), ValueError,
-     r"value_scale_cache: expected shape \[3, 16, 3\] \(per token-head\) or \[3, 16\]"),
-    (dict(key_scale=0.5), ValueError, r"key_scale: expected None when key_scale_cache is given"),
-    (dict(scale_rounding="ceil"), ValueError, r"scale_rounding: expected 'exact' or 'pow2'"),
-    (dict(key_scale_cache="inline", value_scale_cache="inline"), ValueError,
-     r"key_cache: expected a last dimension of head_dim \+ 4 \(84\) or head_dim \+ 16 \(96\)"),
-    (dict(key_scale_cache="inline"), ValueError, r"value_scale_cache: expected 'inline'"),
-    (dict(key_scale_cache="side"), ValueError, r"key_scale_cache: expected None, 'inline'"),
-    (dict(key_scale_cache=[1.0]), TypeError, r"key_scale_cache: expected None, 'inline'"),
-])
-def test_write_errors_write_nothing(change, exc, match):
-    case, x = _err_inputs()
-    x.update(change)
-    before = [bits(x["key_cache"]), bits(x["value_cache"])]
-    with pytest.raises(exc, match=match):
-        fp8kv_torch.write_kv(**x)
-    np.testing.assert_array_equal(bits(x["key_cache"]), before[0])
-    np.testing.assert_array_equal(bits(x["value_cache"]), before[1])
-
-
-def test_dequantize_errors():
-    cache = torch.zeros(3, 16, 2, 68, dtype=torch.uint8)
-    table = torch.zeros(1, 2, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"head_dim: expected an int with an inline scale cache"):
-        fp8kv_torch.dequantize_pages(cache, cache, table, key_scale_cache="inline",
-                                     value_scale_cache="inline")
-    with pytest.raises(ValueError, match=r"key_cache: expected a last dimension of head_dim \+ 4"):
-        fp8kv_torch.dequantize_pages(cache, cache, table, key_scale_cache="inline",
-                                     value_scale_cache="inline", head_dim=60)
-    with pytest.raises(ValueError, match=r"head_dim: expected the last dimension of key_cache"):
-        fp8kv_torch.dequantize_pages(cache, cache, table, head_dim=64)
-    with pytest.raises(TypeError, match=r"head_dim: expected None or an int"):
-        fp8kv_torch.dequantize_pages(cache, cache, table, head_dim=64.0)
-    with pytest.raises(ValueError, match=r"value_scale: expected None when value_scale_cache"):
-        fp8kv_torch.dequantize_pages(cache, cache, table, value_scale=2.0,
-                                     value_scale_cache=torch.ones(3, 16))
-
-
-# ---------------------------------------------------------------------------------------------
 # torch.library custom op: opcheck and torch.compile with scale caches.
 
 def test_opcheck_write_with_scale_caches():
     from fp8kv_torch._ops import write_kv_op
-    case, x = _err_inputs()
+    x = {k: _t(v, "cpu") for k, v in inputs(DynCase()).items()}
     args = (x["key"], x["value"], x["key_cache"], x["value_cache"], x["slots"], None, None, None,
             None, "NHD", "e4m3", x["key_scale_cache"], x["value_scale_cache"], False, False,
             "pow2")
