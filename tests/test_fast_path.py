@@ -52,16 +52,16 @@ def _session(device, seed):
     return [bits(t) for t in written], error
 
 
-def _run(device, monkeypatch=None, **patches):
-    """``_session`` from empty caches, with ``patches`` applied to ``_fast`` (each a check forced
-    to fail); returns its result and the FastPathWarnings it raised."""
+def _run(device, monkeypatch, **patches):
+    """``_session`` from empty caches with the fast path on (whatever FP8KV_FAST says: the suite
+    also runs with it off) and ``patches`` applied to ``_fast`` (a check forced to fail, or the
+    path turned off); returns its result and the FastPathWarnings it raised."""
     _launch.clear_launch_caches()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if monkeypatch is not None:
-            monkeypatch.setattr(_fast, "_WARNED", set())
-            for name, value in patches.items():
-                monkeypatch.setattr(_fast, name, value)
+        monkeypatch.setattr(_fast, "_WARNED", set())
+        for name, value in {"ENABLED": True, **patches}.items():
+            monkeypatch.setattr(_fast, name, value)
         result = _session(device, seed=1)
     return result, [w for w in caught if issubclass(w.category, FastPathWarning)]
 
@@ -93,7 +93,7 @@ def _failing_guard_check():
 
 
 def test_a_failed_guard_check_takes_the_public_path(device, monkeypatch):
-    want, warned = _run(device)
+    want, warned = _run(device, monkeypatch)
     assert not warned and _fast._tensor_guard() is not None
     got, warned = _run(device, monkeypatch, _tensor_guard=_failing_guard_check())
     _same(got, want)
@@ -103,7 +103,7 @@ def test_a_failed_guard_check_takes_the_public_path(device, monkeypatch):
 
 
 def test_fast_off_takes_the_public_path(device, monkeypatch):
-    want, _ = _run(device)
+    want, _ = _run(device, monkeypatch)
     if device == "cuda":   # the default path launches directly on the GPU suite's Triton
         assert any("direct_launcher" in getattr(r.runner, "__qualname__", "")
                    for r in _launch._READY.values())
@@ -129,7 +129,7 @@ def test_gpu_a_failed_launcher_check_takes_the_public_path(check, monkeypatch):
     """On the GPU: the runner check failing gives Triton's runner; the C-launcher check failing
     gives the launcher object (the path of Triton 3.7-3.9). Same bytes, same errors, one
     warning."""
-    want, warned = _run("cuda")
+    want, warned = _run("cuda", monkeypatch)
     assert not warned
     patch = {"triton_runner": {"_runner_matches": lambda cls: False},
              "triton_c_launcher": {"_launcher_matches": lambda cls: False}}[check]

@@ -22,7 +22,9 @@ from fp8kv_torch import (_fast, _launch, dequantize_pages, dequantize_pages_comb
 
 @pytest.fixture
 def validations(monkeypatch):
-    """Count the launcher's validations; start from an empty cache."""
+    """Count the launcher's validations; start from an empty cache. The fast path is on for these
+    tests whatever FP8KV_FAST says: they test it (the suite also runs with it off)."""
+    monkeypatch.setattr(_fast, "ENABLED", True)
     counts = {"write": 0, "dequantize": 0}
 
     def counting(name, check):
