@@ -102,37 +102,45 @@ def scalar_scale(scale_ptr, scale_value, KIND: tl.constexpr):
 
 
 @jit
-def scalar_reciprocal(s, KIND: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
-    """``RN(1 / s)`` for :func:`divide`'s reciprocal path (one per program); ``s`` where that
-    path is not taken."""
-    if RECIPROCAL and not EXACT and (KIND == SCALE_VALUE or KIND == SCALE_TENSOR):
-        y = tl.math.div_rn(s * 0.0 + 1.0, s)
-    else:
-        y = s
-    return y
+def _divide_in_range(x, s):
+    """``RN(x / s)`` by :func:`reciprocal_divide` for ``2**-40 <= s <= 2**40``: Markstein's theorem
+    needs no overflow or underflow, so the corrected quotient is taken for ``2**-40 <= |q0| <=
+    2**40`` only; outside, ``q0`` already quantizes like ``RN(x/s)`` (to +-0 with its sign, or to
+    +-max, inf and NaN included)."""
+    q0, q2 = reciprocal_divide(x, s, tl.math.div_rn(s * 0.0 + 1.0, s))
+    a = tl.abs(q0)
+    return tl.where((a >= 2.0 ** -40) & (a <= 2.0 ** 40), q2, q0)
 
 
 @jit
-def divide(x, s, y, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
-    """``x / s`` correctly rounded (IEEE fp32) for one scale ``s`` > 0 (``y``: its
-    :func:`scalar_reciprocal`).
+def divide_pair(xk, sk, xv, sv, K_ON: tl.constexpr, V_ON: tl.constexpr, EXACT: tl.constexpr,
+                RECIPROCAL: tl.constexpr):
+    """``xk / sk`` (where ``K_ON``) and ``xv / sv`` (where ``V_ON``), correctly rounded (IEEE
+    fp32), for one scale per side (``s > 0``); a side that is off is returned as it is.
 
-    With RECIPROCAL (fast path) the division is :func:`reciprocal_divide`. Markstein's theorem
-    needs no overflow or underflow, so it is used for ``2**-40 <= s <= 2**40`` and
-    ``2**-40 <= |q0| <= 2**40`` only; outside, ``q0`` already quantizes like ``RN(x/s)`` (to +-0
-    with its sign, or to +-max, inf and NaN included) and other scales take ``div_rn``. The GPU
-    suite checks it on all 2**32 fp32 inputs for a set of scales.
+    With RECIPROCAL (fast path) each quotient is :func:`_divide_in_range` where both scales lie in
+    ``[2**-40, 2**40]`` (else ``div_rn``): one branch for both sides, so that their reciprocals and
+    corrections run side by side rather than one after the other (a small write waits on them).
+    The GPU suite checks the path on all 2**32 fp32 inputs for a set of scales.
     """
     if EXACT or not RECIPROCAL:
-        q = tl.math.div_rn(x, s)
+        if K_ON:
+            xk = tl.math.div_rn(xk, sk)
+        if V_ON:
+            xv = tl.math.div_rn(xv, sv)
     else:
-        if (s >= 2.0 ** -40) & (s <= 2.0 ** 40):
-            q0, q2 = reciprocal_divide(x, s, y)
-            a = tl.abs(q0)
-            q = tl.where((a >= 2.0 ** -40) & (a <= 2.0 ** 40), q2, q0)
+        # An off side's scale is 1.0 (its scale_value): always in range.
+        if (sk >= 2.0 ** -40) & (sk <= 2.0 ** 40) & (sv >= 2.0 ** -40) & (sv <= 2.0 ** 40):
+            if K_ON:
+                xk = _divide_in_range(xk, sk)
+            if V_ON:
+                xv = _divide_in_range(xv, sv)
         else:
-            q = tl.math.div_rn(x, s)
-    return q
+            if K_ON:
+                xk = tl.math.div_rn(xk, sk)
+            if V_ON:
+                xv = tl.math.div_rn(xv, sv)
+    return xk, xv
 
 
 @jit

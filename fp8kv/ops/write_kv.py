@@ -28,9 +28,9 @@ compiled out of the static-scale loop.
 import triton.language as tl
 
 from ._dual import jit
-from .codec import (SCALE_HEAD, SCALE_NONE, SCALE_TOKEN, SCALE_TOKEN_HEAD, divide,
-                    divide_by_group_scale, dynamic_scale, encode, load_as_fp32, load_raw,
-                    load_scale, max_combine, raw_to_fp32, scalar_reciprocal, scalar_scale)
+from .codec import (SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, SCALE_TOKEN_HEAD,
+                    SCALE_VALUE, divide_by_group_scale, divide_pair, dynamic_scale, encode,
+                    load_as_fp32, load_raw, load_scale, max_combine, raw_to_fp32, scalar_scale)
 
 
 @jit
@@ -101,19 +101,6 @@ def _write_dynamic(raw, dst, row, scale_dst, scale_row, keep, KIND: tl.constexpr
         else:
             tl.store(scale_dst + (scale_row[:, None] + (h * STRIDE_SCALE_HEAD)[None, :]), s,
                      mask=th_mask, eviction_policy="evict_last")
-
-
-@jit
-def _quantize_static(x, s, y, scale_ptr, scale_value, head, col_mask, KIND: tl.constexpr,
-                     FORMAT: tl.constexpr, RECIPROCAL_DIV: tl.constexpr, EXACT: tl.constexpr):
-    """One side's ``[BLOCK_T, BLOCK_HD]`` codes with a static scale of ``KIND``: none, one scale
-    ``s`` (a value or a tensor, loaded by the program; ``y`` its reciprocal) or per head (gathered
-    here: ``head`` is each column's)."""
-    if KIND == SCALE_HEAD:
-        x = tl.math.div_rn(x, load_scale(scale_ptr, scale_value, head, col_mask, KIND)[None, :])
-    elif KIND != SCALE_NONE:
-        x = divide(x, s, y, EXACT, RECIPROCAL_DIV)
-    return encode(x, FORMAT, EXACT).to(tl.uint8)
 
 
 @jit(do_not_specialize=["num_tokens"])
@@ -188,11 +175,11 @@ def _write_kv_kernel(
                        STRIDE_CACHE_HEAD=STRIDE_VC_HEAD, STRIDE_SCALE_HEAD=STRIDE_VSC_HEAD,
                        NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
                        INLINE_PAD=INLINE_PAD, FORMAT=FORMAT, POW2=SCALE_POW2, EXACT=EXACT)
-    # One scale per side: loaded (and its reciprocal taken) before the rows, see scalar_scale.
+    # One scale per side: loaded before the rows, see scalar_scale.
     k_s = scalar_scale(key_scale_ptr, key_scale_value, K_SCALE)
     v_s = scalar_scale(value_scale_ptr, value_scale_value, V_SCALE)
-    k_y = scalar_reciprocal(k_s, K_SCALE, EXACT, RECIPROCAL_DIV)
-    v_y = scalar_reciprocal(v_s, V_SCALE, EXACT, RECIPROCAL_DIV)
+    K_ONE: tl.constexpr = K_STATIC and (K_SCALE == SCALE_VALUE or K_SCALE == SCALE_TENSOR)
+    V_ONE: tl.constexpr = V_STATIC and (V_SCALE == SCALE_VALUE or V_SCALE == SCALE_TENSOR)
     ROW: tl.constexpr = NUM_HEADS * HEAD_DIM
     for start in tl.static_range(0, ROW if K_STATIC or V_STATIC else 0, BLOCK_HD):
         col = start + tl.arange(0, BLOCK_HD)
@@ -213,14 +200,19 @@ def _write_kv_kernel(
             xk = load_as_fp32(key_ptr, key_in[:, None] + k_col[None, :], load_mask, EXACT)
         if V_STATIC:
             xv = load_as_fp32(value_ptr, value_in[:, None] + v_col[None, :], load_mask, EXACT)
+        # A scale per head: per column. One scale per side: both sides' divisions in one step.
+        if K_STATIC and K_SCALE == SCALE_HEAD:
+            xk = tl.math.div_rn(xk, load_scale(key_scale_ptr, key_scale_value, head, col_mask,
+                                               K_SCALE)[None, :])
+        if V_STATIC and V_SCALE == SCALE_HEAD:
+            xv = tl.math.div_rn(xv, load_scale(value_scale_ptr, value_scale_value, head,
+                                               col_mask, V_SCALE)[None, :])
+        xk, xv = divide_pair(xk, k_s, xv, v_s, K_ON=K_ONE, V_ON=V_ONE, EXACT=EXACT,
+                             RECIPROCAL=RECIPROCAL_DIV)
         if K_STATIC:
-            qk = _quantize_static(xk, k_s, k_y, key_scale_ptr, key_scale_value, head, col_mask,
-                                  KIND=K_SCALE, FORMAT=FORMAT, RECIPROCAL_DIV=RECIPROCAL_DIV,
-                                  EXACT=EXACT)
+            qk = encode(xk, FORMAT, EXACT).to(tl.uint8)
         if V_STATIC:
-            qv = _quantize_static(xv, v_s, v_y, value_scale_ptr, value_scale_value, head, col_mask,
-                                  KIND=V_SCALE, FORMAT=FORMAT, RECIPROCAL_DIV=RECIPROCAL_DIV,
-                                  EXACT=EXACT)
+            qv = encode(xv, FORMAT, EXACT).to(tl.uint8)
         if K_STATIC:
             tl.store(key_dst + (key_row[:, None] + kc_col[None, :]), qk, mask=mask)
         if V_STATIC:
