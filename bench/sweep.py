@@ -94,7 +94,7 @@ def _sweep_division(device, cfg: Config, timer: Timer, backend: str, mode: str) 
     table = Table("sweep_division", "Sweep: division by the scale",
                   "`div_rn`: IEEE division per element; `reciprocal`: RN(1/s) once, then "
                   "q = x*y and two FMA corrections (exact by Markstein's theorem; see "
-                  "fp8kv.ops.codec.divide). Device scale [] per tensor.", plot="bars")
+                  "fp8kv.ops.codec.divide_by_scalar). Device scale [] per tensor.", plot="bars")
     for tokens in cfg.sweep_write_tokens:
         case = build_write_case(device, cfg, tokens)
         for reciprocal in (False, True):

@@ -24,7 +24,7 @@ INTERPRET, CUDA = "interpret", "cuda"
 # programs per SM), small ones 8 warps (more memory requests in flight, shorter dependency chains
 # per thread): batches of up to `small_batch_elems` row elements use `small_batch_warps`.
 # reciprocal_div: small batches divide by a per-tensor scale with one reciprocal and FMA
-# corrections (exact, see codec.divide), which shortens each thread's dependency chain
+# corrections (exact, see codec.divide_by_scalar), which shortens each thread's dependency chain
 # (16 tokens: 2.39 vs 2.50 us); large batches keep div.rn, faster there (97.8 vs 100.0 us).
 # loads_first_elems: per-token-head writes load both sides' tiles before the first amax when a
 # tile has at most this many elements (H200, 65,536 tokens, 8 x 128: 107.4 vs 109.6 us); larger

@@ -241,7 +241,8 @@ def test_gpu_cache_beyond_2_31_elements(layout):
 
 @pytest.fixture
 def reciprocal_division():
-    """Plan writes with the reciprocal division (fp8kv.ops.codec.divide) for one test."""
+    """Plan writes with the reciprocal division (fp8kv.ops.codec.divide_by_scalar) for one
+    test."""
     from fp8kv import plan
     from fp8kv_torch._launch import clear_launch_caches
     sizes = plan.WRITE_SIZES["cuda"]
@@ -258,7 +259,12 @@ def reciprocal_division():
     ("e4m3", 0.37), ("e4m3", 1 / 448), ("e4m3", 2 - 2 ** -23), ("e4m3", 1 + 2 ** -23),
     ("e4m3", 3e-3), ("e4m3", 1e5), ("e4m3", 0.1), ("e4m3", 7.0), ("e4m3", 2.0 ** -40),
     ("e4m3", 2.0 ** 40 * (1 - 2 ** -24)), ("e4m3", 2.0 ** -41), ("e5m2", 0.37), ("e5m2", 1.7e-4),
-    ("e5m2", 2 - 2 ** -23)])
+    ("e5m2", 2 - 2 ** -23),
+    # Every kind of scale the kernels accept unchecked (device tensors): the branch-free division
+    # scales x by powers of two to bring any of them to [1, 2).
+    ("e4m3", -0.37), ("e5m2", -3e-3), ("e4m3", 1e-40), ("e5m2", 2.0 ** -149), ("e4m3", 2.0 ** -126),
+    ("e5m2", 2.0 ** -100), ("e4m3", 2.0 ** 100), ("e5m2", 2.0 ** 127 * 1.5),
+    ("e4m3", 3.4028234663852886e38), ("e4m3", 0.0), ("e5m2", float("inf")), ("e4m3", float("nan"))])
 def test_gpu_reciprocal_division_on_all_fp32_inputs(reciprocal_division, fmt, scale):
     """The fast division gives the exact path's bytes for every one of the 2**32 fp32 inputs."""
     from fp8kv_torch import _launch

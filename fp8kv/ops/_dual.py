@@ -16,22 +16,24 @@ from triton import knobs
 _INTERPRETED: dict[int, object] = {}
 
 
-def _jit(fn, interpret: bool, do_not_specialize=()):
+def _jit(fn, interpret: bool, do_not_specialize=(), noinline=False):
     with knobs.runtime.scope():
         knobs.runtime.interpret = interpret
-        return triton.jit(fn, do_not_specialize=list(do_not_specialize))
+        return triton.jit(fn, do_not_specialize=list(do_not_specialize),
+                          noinline=noinline or None)
 
 
-def jit(fn=None, *, do_not_specialize=()):
+def jit(fn=None, *, do_not_specialize=(), noinline=False):
     """Decorator: a compiled Triton function, whatever ``TRITON_INTERPRET`` says.
 
     ``do_not_specialize`` names integer parameters (batch sizes) that must not become part of the
     compiled variant's key: Triton would otherwise compile again for the value 1 and for
-    multiples of 16.
+    multiples of 16. ``noinline``: a helper compiled as a function of its own, called -- for a
+    rarely taken path whose code would otherwise sit in the middle of a hot one.
     """
     if fn is None:
-        return lambda f: _jit(f, False, do_not_specialize)
-    return _jit(fn, False, do_not_specialize)
+        return lambda f: _jit(f, False, do_not_specialize, noinline)
+    return _jit(fn, False, do_not_specialize, noinline)
 
 
 def interpreted(jit_fn: triton.JITFunction):
