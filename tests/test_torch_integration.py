@@ -8,8 +8,13 @@ pytest.importorskip("torch")
 
 from tests.cases import WriteCase, as_uint, write_inputs
 from tests.helpers import bits, requires_cuda, to_torch, torch
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from fp8kv import reference as ref
 from fp8kv.formats import FORMATS
+from fp8kv.ops._dual import jit
+from fp8kv.ops.codec import reciprocal_rn
 from fp8kv_torch import dequantize_pages, write_kv
 
 
@@ -279,6 +284,29 @@ def test_gpu_reciprocal_division_on_all_fp32_inputs(reciprocal_division, fmt, sc
         _launch.write_kv(x, x, fast, fast, slots, scale_t, scale_t, "NHD", fmt, exact=False)
         _launch.write_kv(x, x, exact, exact, slots, scale_t, scale_t, "NHD", fmt, exact=True)
         assert torch.equal(fast, exact), f"inputs {start:#x}..{start + n - 1:#x} differ"
+
+
+@jit
+def _reciprocal_kernel(s_ptr, fast_ptr, exact_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    s = tl.load(s_ptr + i, mask=mask, other=1.0)
+    tl.store(fast_ptr + i, reciprocal_rn(s), mask=mask)
+    tl.store(exact_ptr + i, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), mask=mask)
+
+
+@requires_cuda
+def test_gpu_branch_free_reciprocal_of_every_scale_in_one_binade():
+    """codec.reciprocal_rn equals div_rn's 1/s for every fp32 s in [1, 2) and (-2, -1], and for
+    +-0, +-inf and NaN (IEEE's results)."""
+    mantissas = torch.arange(1 << 23, dtype=torch.int32, device="cuda")
+    ones = (mantissas | 0x3F800000).view(torch.float32)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")], device="cuda")
+    s = torch.cat([ones, -ones, specials])
+    fast, exact = torch.empty_like(s), torch.empty_like(s)
+    _reciprocal_kernel[(triton.cdiv(s.numel(), 1024),)](s, fast, exact, s.numel(), BLOCK=1024,
+                                                        enable_fp_fusion=False)
+    assert torch.equal(fast.view(torch.int32), exact.view(torch.int32))
 
 
 @requires_cuda
