@@ -416,7 +416,8 @@ def rope_write_kv(query: jax.Array, key: jax.Array, value: jax.Array, key_cache:
     query_out : jax.Array, optional
         An array whose shape and dtype the rotated query takes (``query``'s dtype, or with
         ``query_scale`` ``float8_e4m3fn``, ``float8_e5m2`` or ``uint8`` for e4m3 codes); its
-        contents are not read. Donated under ``jax.jit``, its buffer receives the result.
+        contents are not read. On an NVIDIA GPU it is the kernel's output buffer (donated under
+        ``jax.jit``, it receives the result in place); the jnp path makes a new array.
     return_key : bool
         Also return the rotated key, in ``key``'s dtype.
     layout, fp8_format, key_scale_cache, value_scale_cache, scale_rounding

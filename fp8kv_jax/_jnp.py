@@ -259,14 +259,17 @@ def mul_rn(a, b):
 
 def _rotate(x, c, s, args):
     """Section 12's rotation of ``x`` ``[T, H, D]`` (fp32) with ``c``, ``s`` ``[T, 1, R/2]``:
-    products by :func:`mul_rn`, then one fp32 subtraction or addition each."""
+    the four products by one :func:`mul_rn` (one copy of its integer arithmetic to compile),
+    then one fp32 subtraction or addition each."""
     rotary = args.rotary_dim
     if args.gptj:
         a, b = x[..., 0:rotary:2], x[..., 1:rotary:2]
     else:
         a, b = x[..., :rotary // 2], x[..., rotary // 2:rotary]
-    ya = mul_rn(a, c) - mul_rn(b, s)
-    yb = mul_rn(b, c) + mul_rn(a, s)
+    c, s = (jnp.broadcast_to(v, a.shape) for v in (c, s))
+    p = mul_rn(jnp.stack([a, b, b, a]), jnp.stack([c, s, c, s]))
+    ya = p[0] - p[1]
+    yb = p[2] + p[3]
     if args.gptj:
         rotated = jnp.stack([ya, yb], axis=-1).reshape(a.shape[:2] + (rotary,))
     else:
@@ -296,8 +299,11 @@ def rope_write_kv(arrays: dict, *, args) -> dict:
         rows = cs[jnp.where(ok, positions, 0)].astype(jnp.float32)
     half = args.rotary_dim // 2
     c, s = rows[:, None, :half], rows[:, None, half:]
-    yq = _rotate(arrays["query"].astype(jnp.float32), c, s, args)
-    yk = _rotate(arrays["key"].astype(jnp.float32), c, s, args)
+    # Query and key heads rotated together (one rotation to compile).
+    q_heads = args.query.shape[1]
+    y = _rotate(jnp.concatenate([arrays["query"], arrays["key"]], axis=1).astype(jnp.float32),
+                c, s, args)
+    yq, yk = y[:, :q_heads], y[:, q_heads:]
     if args.query_format is None:
         query_out = _rounded(yq, args.query.dtype, ok)
     else:
