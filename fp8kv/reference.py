@@ -317,8 +317,10 @@ def rope_pairs(head_dim: int, rotary_dim: int, rope_style: str) -> tuple[np.ndar
     """The element indices ``(a, b)`` of each rotated pair ``i < rotary_dim / 2``: ``neox``
     pairs ``(i, i + R/2)``, ``gptj`` ``(2i, 2i + 1)``.
 
-    >>> [a.tolist() for a in rope_pairs(8, 4, "neox")], [a.tolist() for a in rope_pairs(8, 4, "gptj")]
-    ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    >>> [a.tolist() for a in rope_pairs(8, 4, "neox")]
+    [[0, 1], [2, 3]]
+    >>> [a.tolist() for a in rope_pairs(8, 4, "gptj")]
+    [[0, 2], [1, 3]]
     """
     check_choice(rope_style, "rope_style", ROPE_STYLES)
     half = np.arange(rotary_dim // 2)

@@ -3,8 +3,8 @@ suites (as :mod:`tests.cases` for ``write_kv``).
 
 Inputs are random values with specials (NaN, inf, -0, huge, tiny), poisoned caches, padding
 slots, and cos/sin rows of real RoPE frequencies with special values sprinkled in.
-``subnormals=False`` replaces every fp32 subnormal input by zero: XLA:CPU flushes them (docs/SPEC.md,
-section 11), so the jnp path is compared on inputs without them.
+``subnormals=False`` replaces every fp32 subnormal input by zero: XLA:CPU flushes them
+(docs/SPEC.md, section 11), so the jnp path is compared on inputs without them.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class RopeCase:
     dtype: str = "bfloat16"
     cs_dtype: str = "float32"
     cache: str = "typed"         # "typed" | "uint8"
-    scale: str = "float"         # a tests.cases scale kind, or "token" / "token_head" / "inline4" / "inline16"
+    scale: str = "float"         # tests.cases' kinds, "token", "token_head", "inline4", "inline16"
     rounding: str = "exact"
     q_out: str = "same"          # "same" (query's dtype) | "e4m3" | "e5m2" | "uint8" (FP8 codes)
     q_scale: str = "float"       # with an FP8 q_out: "float", "one" (1.0), "tensor", "tensor1"

@@ -547,3 +547,27 @@ def test_gpu_rows_past_2_31_elements():
         np.testing.assert_array_equal(bits(cache[index]), as_uint(want[1 + i])[small >= 0])
         cache[index] = 0xAB
         assert bool((cache == 0xAB).all())
+
+
+@pytest.mark.parametrize("entries", [
+    dict(kv_heads_per_program=1, q_tile=64, v_tile=64),
+    dict(kv_heads_per_program=2, tile=2048),
+], ids=["1-kv-head-per-program-small-tiles", "2-kv-heads-per-program-2048-element-tiles"])
+@pytest.mark.parametrize("case", [ROPE_CASES[i] for i in (0, 3, 5, 6, 9, 10)],
+                         ids=lambda c: c.id)
+def test_plan_variants_give_the_same_bytes(case, entries, monkeypatch):
+    """Other size-table entries (as the GPU bench tries them): kv-head groups over several
+    programs, several query steps and value chunks per program, several programs of tokens --
+    the same bytes (interpreter)."""
+    from fp8kv.plan import INTERPRET
+    from fp8kv.plan_rope import ROPE_SIZES
+
+    for name, value in entries.items():
+        monkeypatch.setitem(ROPE_SIZES[INTERPRET], name, value)
+    _launch.clear_launch_caches()
+    try:
+        inputs = rope_inputs(case, seed=7)
+        assert_outputs(run(case, inputs, "cpu"), expected(case, inputs))
+    finally:
+        monkeypatch.undo()
+        _launch.clear_launch_caches()

@@ -332,3 +332,26 @@ def test_rope_default_shape_gets_16_byte_accesses(style, tokens, int_divisibilit
     assert "ftz" not in ptx
     if not plan.constexprs["RECIPROCAL_DIV"]:
         assert not re.search(r"\bfma\.", ptx)
+
+
+@pytest.mark.parametrize("entries", [
+    dict(small_kv_heads_per_program=2), dict(small_kv_heads_per_program=1, small_batch_warps=4),
+    dict(small_block_t=2), dict(small_batch_warps=16), dict(reciprocal_div=False),
+], ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
+def test_rope_small_batch_plan_variants_compile_for_sm90(entries, monkeypatch):
+    """The small-batch size-table entries the bench tries (bench/rope.py) compile for sm_90."""
+    from fp8kv.plan_rope import ROPE_SIZES
+
+    for name, value in entries.items():
+        monkeypatch.setitem(ROPE_SIZES[CUDA], name, value)
+    plan_rope_write.cache_clear()
+    try:
+        variant = ("neox", 128, 128, 32, 8, "bfloat16", "float32", "tensor", "float8_e4m3fn",
+                   False, "NHD", 16)
+        args, arrays = _rope_args(variant)
+        compiled = compile_for_hopper(ops._rope_write_kv_kernel, arrays,
+                                      plan_rope_write(args, CUDA))
+        assert "ld.shared" not in compiled.asm["ptx"]
+    finally:
+        monkeypatch.undo()
+        plan_rope_write.cache_clear()
