@@ -47,6 +47,9 @@ ENTRIES = (
     Entry("small", "small_writes:table_write_small", "torch",
           about="small writes (1-256 tokens) under CUDA-graph replay against one-program-per-"
                 "token writers, with small-batch plan variants"),
+    Entry("rope", "rope:table_rope", "torch",
+          about="fused RoPE + FP8 write (rope_write_kv) against an in-place Triton RoPE then "
+                "write_kv, Llama-3-8B shapes, 1-65,536 tokens"),
     Entry("dequant", "dequant:table_dequant", "torch",
           about="page dequantization, with fp8kv-jax rows when JAX is usable"),
     Entry("dynamic", "dynamic:table_dynamic", "torch", about="dynamic-scale placements"),

@@ -121,3 +121,41 @@ def dequantize_operands(args) -> OperandMap:
     else:
         pages = (Operand("key_out_ptr", "key_out"), Operand("value_out_ptr", "value_out"))
     return OperandMap(inputs, pages + (Operand("new_table_ptr", "table_out"),))
+
+
+def rope_write_operands(args) -> OperandMap:
+    """``_rope_write_kv_kernel``'s arrays for a validated
+    :class:`fp8kv.validate_rope.RopeWriteArgs`: the K/V write's, plus the query, positions,
+    cos/sin cache and query scale, and the outputs ``query_out`` and ``key_out``.
+
+    ``query_out_in_ptr`` / ``key_out_in_ptr`` are never read: they hold a given output's buffer
+    as an input, so that the output can alias it (jax-triton's donation; torch passes the same
+    tensor). An output the frontend makes (torch's allocated ``query_out``, JAX's new arrays) is
+    a new output instead.
+    """
+    w = args.write
+    kc, vc = _caches(w.combined)
+
+    def given_output(name: str, given: bool, used: bool = True):
+        if not used:
+            return (Operand(f"{name}_in_ptr", WRITE_PLACEHOLDER, used=False),
+                    Operand(f"{name}_ptr", None, used=False))
+        if given:
+            return (Operand(f"{name}_in_ptr", name, used=False),
+                    Operand(f"{name}_ptr", name, aliases=f"{name}_in_ptr"))
+        return (Operand(f"{name}_in_ptr", WRITE_PLACEHOLDER, used=False),
+                Operand(f"{name}_ptr", name))
+
+    q_in, q_out = given_output("query_out", args.query_out_given)
+    k_in, k_out = given_output("key_out", args.key_out_given, args.key_out is not None)
+    qs = args.query_scale
+    inputs = (Operand("query_ptr", "query"), Operand("key_ptr", "key"),
+              Operand("value_ptr", "value"), Operand("key_cache_ptr", kc),
+              Operand("value_cache_ptr", vc), Operand("slot_ptr", "slots"),
+              Operand("position_ptr", "positions"), Operand("cos_sin_ptr", "cos_sin_cache"),
+              Operand("query_scale_ptr", "query_scale") if qs.kind.on_device
+              else Operand("query_scale_ptr", WRITE_PLACEHOLDER, used=False),
+              _scale_input("key", w.key_scale, WRITE_PLACEHOLDER),
+              _scale_input("value", w.value_scale, WRITE_PLACEHOLDER), q_in, k_in)
+    write_outputs = write_operands(w).outputs
+    return OperandMap(inputs, (q_out,) + write_outputs + (k_out,))

@@ -304,3 +304,112 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
         results.append(out)
     new_table = np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, pages_per_seq)
     return results[0], results[1], new_table
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE + write (docs/SPEC.md, section 12).
+# ---------------------------------------------------------------------------------------------
+
+ROPE_STYLES = ("neox", "gptj")
+
+
+def rope_pairs(head_dim: int, rotary_dim: int, rope_style: str) -> tuple[np.ndarray, np.ndarray]:
+    """The element indices ``(a, b)`` of each rotated pair ``i < rotary_dim / 2``: ``neox``
+    pairs ``(i, i + R/2)``, ``gptj`` ``(2i, 2i + 1)``.
+
+    >>> [a.tolist() for a in rope_pairs(8, 4, "neox")]
+    [[0, 1], [2, 3]]
+    >>> [a.tolist() for a in rope_pairs(8, 4, "gptj")]
+    [[0, 2], [1, 3]]
+    """
+    check_choice(rope_style, "rope_style", ROPE_STYLES)
+    half = np.arange(rotary_dim // 2)
+    if rope_style == "neox":
+        return half, half + rotary_dim // 2
+    return 2 * half, 2 * half + 1
+
+
+def position_ok(positions, max_position: int) -> np.ndarray:
+    """Which positions name a row of the cos/sin cache (``0 <= p < max_position``)."""
+    p = np.asarray(positions).astype(np.int64)
+    return (p >= 0) & (p < max_position)
+
+
+def rope(x, positions, cos_sin_cache, *, rope_style="neox", rotary_dim=None) -> np.ndarray:
+    """Rotated ``x`` ``[T, H, D]`` as float32: section 12's rule, each operation rounded to fp32.
+
+    ``positions`` ``[T]``; ``cos_sin_cache`` ``[max_position, R]`` (cos in the first ``R/2``
+    columns, sin in the rest; fp32, bf16 or fp16). Elements from ``R`` on pass through; rows of
+    positions outside ``[0, max_position)`` are +0.0.
+
+    >>> cs = np.array([[0.0, 1.0]], np.float32)           # one position: cos 0, sin 1
+    >>> rope(np.array([[[1.0, 2.0, 7.0]]], np.float32), np.array([0]), cs).tolist()
+    [[[-2.0, 1.0, 7.0]]]
+    """
+    x = np.asarray(x).astype(np.float32)
+    cs = np.asarray(cos_sin_cache).astype(np.float32)
+    rotary_dim = cs.shape[1] if rotary_dim is None else rotary_dim
+    half = rotary_dim // 2
+    ok = position_ok(positions, cs.shape[0])
+    rows = np.zeros((len(ok), cs.shape[1]), np.float32)
+    rows[ok] = cs[np.asarray(positions).astype(np.int64)[ok]]
+    c, s = rows[:, None, :half], rows[:, None, half:rotary_dim]
+    a, b = rope_pairs(x.shape[-1], rotary_dim, rope_style)
+    y = x.copy()
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        # float32 arrays: every product, sum and difference is rounded to fp32 on its own.
+        y[..., a] = x[..., a] * c - x[..., b] * s
+        y[..., b] = x[..., b] * c + x[..., a] * s
+    y[~ok] = 0.0
+    return y
+
+
+def round_to(v: np.ndarray, dtype: str) -> np.ndarray:
+    """fp32 ``v`` rounded with RNE to ``dtype`` (bf16, fp16 or fp32), NaNs as the canonical NaN."""
+    v = np.asarray(v, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = v.astype(np_dtype(dtype))
+    bits = out.view(_UINT_OF_SIZE[out.itemsize])
+    bits = np.where(np.isnan(v), bits.dtype.type(CANONICAL_NAN_BITS[dtype]), bits)
+    return bits.astype(bits.dtype).view(np_dtype(dtype))
+
+
+def rope_write_kv(query, key, value, key_cache, value_cache, slots, positions, cos_sin_cache,
+                  key_scale=None, value_scale=None, *, rope_style="neox", rotary_dim=None,
+                  query_scale=None, query_out=None, return_key=False, layout="NHD",
+                  fp8_format=None, key_scale_cache=None, value_scale_cache=None,
+                  scale_rounding="exact"):
+    """Reference ``rope_write_kv``: :func:`rope` of ``query`` and ``key``, then :func:`write_kv`
+    of the rotated key (fp32) and ``value``. Nothing is modified in place.
+
+    ``query_scale`` None: ``query_out`` is the rotated query rounded to ``query``'s dtype;
+    otherwise (a float or a float32 array ``[]`` / ``[1]``) its FP8 codes
+    ``quantize(y, query_scale)``, e4m3 unless ``query_out`` (an array whose dtype the result
+    takes; its contents are not read) is ``float8_e5m2``. Tokens whose position is outside
+    ``[0, len(cos_sin_cache))`` get all-zero ``query_out`` (and key) rows and write nothing.
+
+    Returns ``(query_out, key_cache, value_cache)``, then ``(key_scale_cache,
+    value_scale_cache)`` when a side scale array is given, then the rotated key in ``key``'s
+    dtype when ``return_key``.
+    """
+    query, key = np.asarray(query), np.asarray(key)
+    options = dict(rope_style=rope_style, rotary_dim=rotary_dim)
+    yq = rope(query, positions, cos_sin_cache, **options)
+    yk = rope(key, positions, cos_sin_cache, **options)
+    ok = position_ok(positions, np.asarray(cos_sin_cache).shape[0])
+    if query_scale is None:
+        q = round_to(yq, query.dtype.name)
+    else:
+        out_dtype = np.asarray(query_out).dtype.name if query_out is not None else "float8_e4m3fn"
+        fmt = FORMATS["e5m2" if out_dtype == "float8_e5m2" else "e4m3"]
+        q = quantize(yq, np.asarray(query_scale, np.float32).reshape(()), fmt).view(
+            np_dtype(out_dtype))
+    q[~ok] = np.zeros((), q.dtype)   # all-zero bytes, whatever the scale
+    slots = np.where(ok, np.asarray(slots).astype(np.int64), -1)
+    written = write_kv(yk, value, key_cache, value_cache, slots, key_scale, value_scale,
+                       layout=layout, fp8_format=fp8_format, key_scale_cache=key_scale_cache,
+                       value_scale_cache=value_scale_cache, scale_rounding=scale_rounding)
+    out = (q,) + tuple(written)
+    if return_key:
+        out += (round_to(yk, key.dtype.name),)
+    return out

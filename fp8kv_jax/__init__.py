@@ -1,4 +1,5 @@
-"""JAX frontend of fp8kv: exact FP8 paged KV-cache write and page dequantization.
+"""JAX frontend of fp8kv: exact FP8 paged KV-cache write (with fused RoPE) and page
+dequantization.
 
 Arrays on an NVIDIA GPU run the core's compiled Triton kernels through jax-triton (imported on
 first use); everywhere else (CPU, TPU) a pure-jnp path gives the very same bytes (docs/SPEC.md). Under a
@@ -27,11 +28,13 @@ from jax.typing import DTypeLike
 from fp8kv.spelling import check_flag
 from fp8kv.validate import (check_dequantize, check_slots_in_range, check_table_in_range,
                             check_write, dequantized_shape, frontend_args)
+from fp8kv.validate_rope import check_positions_in_range, check_rope_write
 
 from . import _args, _jnp, _triton
 from ._args import as_array, as_scales, device_array
 
-__all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
+__all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
+           "rope_write_kv", "rope_write_kv_combined"]
 
 Scale = Union[float, jax.Array, None]
 ScaleCache = Union[jax.Array, str, None]
@@ -329,3 +332,185 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
     return _dequantize(dict(kv_cache=kv_cache, block_table=block_table),
                        _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), dtype,
                        layout, fp8_format, null_page, head_dim, check_bounds)
+
+
+def _rope_write(arrays: dict, scales: dict, query_scale, query_out, return_key, rope_style,
+                rotary_dim, layout, fp8_format, scale_rounding, check_bounds):
+    """``(query_out, *caches)``, then the side scale arrays (None for a side without one) if any
+    is given, then ``key_out`` if ``return_key``."""
+    check_flag(check_bounds, "check_bounds")
+    check_flag(return_key, "return_key")
+    arrays = {name: as_array(x, name) for name, x in arrays.items()}
+    if query_out is not None:
+        query_out = as_array(query_out, "query_out")
+    optional = {**scales, "query_scale": as_scales(query_scale)[0], "query_out": query_out}
+    args = check_rope_write(**frontend_args(_args.info, jax.Array, arrays, optional),
+                            rope_style=rope_style, rotary_dim=rotary_dim, layout=layout,
+                            fp8_format=fp8_format, scale_rounding=scale_rounding,
+                            return_key=return_key)
+    if check_bounds:
+        check_positions_in_range(_args.host_values(arrays["positions"], "positions"),
+                                 args.max_position)
+        check_slots_in_range(_args.host_values(arrays["slots"], "slots"),
+                             args.write.key_cache.num_slots)
+    caches = ("kv_cache",) if args.combined else ("key_cache", "value_cache")
+    sides = {name: device_array(scales[name]) for name in _SIDE_ARRAYS}
+    given = {**arrays, **{name: device_array(x) for name, x in optional.items()}}
+    if args.num_tokens == 0:  # nothing to rotate or write: no launch
+        key = arrays["key"]
+        updated = dict(given, key_out=jnp.zeros(key.shape, key.dtype))
+        if query_out is None:
+            updated["query_out"] = jnp.zeros(args.query.shape, args.query_out.dtype)
+    else:
+        impl = (_triton if _args.use_triton([*arrays.values(), *sides.values(), query_out])
+                else _jnp)
+        updated = impl.rope_write_kv(given, args=args)
+    tail = ([updated.get(name) for name in _SIDE_ARRAYS]
+            if any(s is not None for s in sides.values()) else [])
+    key_out = [updated["key_out"]] if return_key else []
+    return (updated["query_out"], *(updated[name] for name in caches), *tail, *key_out)
+
+
+def rope_write_kv(query: jax.Array, key: jax.Array, value: jax.Array, key_cache: jax.Array,
+                  value_cache: jax.Array, slots: jax.Array, positions: jax.Array,
+                  cos_sin_cache: jax.Array, key_scale: Scale = None, value_scale: Scale = None, *,
+                  rope_style: str = "neox", rotary_dim: int | None = None,
+                  query_scale: Scale = None, query_out: jax.Array | None = None,
+                  return_key: bool = False, layout: str = "NHD", fp8_format: str | None = None,
+                  key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
+                  scale_rounding: str = "exact", check_bounds: bool = False) -> tuple:
+    """Apply RoPE to ``query`` and ``key``, then quantize K and V to FP8 and write them into a
+    paged cache, in one launch (docs/SPEC.md, section 12).
+
+    The result is exactly :func:`write_kv` of the rotated key (fp32), the rotation being
+    ``y_a = RN(RN(x_a c) - RN(x_b s))``, ``y_b = RN(RN(x_b c) + RN(x_a s))`` in fp32 (no FMA).
+
+    Parameters
+    ----------
+    query : jax.Array
+        ``[num_tokens, num_heads, head_dim]``, the dtype of ``key``; ``num_heads`` a multiple of
+        ``num_kv_heads``.
+    key, value : jax.Array
+        ``[num_tokens, num_kv_heads, head_dim]``, bfloat16 / float16 / float32.
+    key_cache, value_cache : jax.Array
+        As in :func:`write_kv`: NHD ``[num_pages, page_size, num_kv_heads, head_dim]``, HND
+        ``[num_pages, num_kv_heads, page_size, head_dim]`` or ``[num_slots, num_kv_heads,
+        head_dim]``; ``float8_e4m3fn``, ``float8_e5m2`` or ``uint8``.
+    slots : jax.Array
+        ``[num_tokens]`` int32 (int64 with ``jax_enable_x64``), as in :func:`write_kv`
+        (``< 0``: padding, no K/V write; the query row is still rotated).
+    positions : jax.Array
+        ``[num_tokens]`` int32 (int64 with ``jax_enable_x64``), each token's row of
+        ``cos_sin_cache``; may be traced. A position outside ``[0, max_position)`` gives an
+        all-zero query (and key) row and writes no K/V.
+    cos_sin_cache : jax.Array
+        ``[max_position, rotary_dim]`` float32 / bfloat16 / float16: cos in the first
+        ``rotary_dim / 2`` columns, sin in the rest (vLLM / FlashInfer convention).
+    key_scale, value_scale : None, float or jax.Array
+        Dequant scales of the cache, as in :func:`write_kv`.
+    rope_style : {"neox", "gptj"}
+        Pairs ``(i, i + rotary_dim / 2)`` (NeoX, Llama) or ``(2i, 2i + 1)`` (GPT-J).
+    rotary_dim : int, optional
+        The rotated columns (default: the width of ``cos_sin_cache``, which it must equal); even,
+        at most ``head_dim``. Columns from ``rotary_dim`` on pass through.
+    query_scale : None, float or jax.Array
+        None: the rotated query in ``query``'s dtype. A float or a float32 array ``[]`` / ``[1]``
+        (may be traced): FP8 codes ``RNE_sat(y / query_scale)`` (for FP8 attention).
+    query_out : jax.Array, optional
+        An array whose shape and dtype the rotated query takes (``query``'s dtype, or with
+        ``query_scale`` ``float8_e4m3fn``, ``float8_e5m2`` or ``uint8`` for e4m3 codes); its
+        contents are not read. On an NVIDIA GPU it is the kernel's output buffer (donated under
+        ``jax.jit``, it receives the result in place); the jnp path makes a new array.
+    return_key : bool
+        Also return the rotated key, in ``key``'s dtype.
+    layout, fp8_format, key_scale_cache, value_scale_cache, scale_rounding
+        As in :func:`write_kv` (dynamic scales take the amax of the rotated key rows).
+    check_bounds : bool
+        Debugging aid (off by default): read ``positions`` and ``slots`` on the host and raise
+        ``ValueError`` for a position outside the cos/sin cache or a slot past the cache. Needs
+        concrete arrays: refused (``TypeError``) under ``jax.jit``.
+
+    Returns
+    -------
+    query_out : jax.Array
+        The rotated query ``[num_tokens, num_heads, head_dim]``.
+    key_cache, value_cache : jax.Array
+        The caches with the tokens written; every byte that no written slot names is unchanged.
+    key_scale_cache, value_scale_cache : jax.Array or None
+        Only when a side scale array is given, as in :func:`write_kv`.
+    key_out : jax.Array
+        Only with ``return_key``: the rotated key ``[num_tokens, num_kv_heads, head_dim]``.
+
+    Note
+    ----
+    JAX arrays are immutable: nothing passed in is modified. Under ``jax.jit`` with the caches
+    (and ``query_out``) donated, the results reuse their buffers and only the written rows of the
+    caches are touched.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, fp8kv_jax
+    >>> qkv = jnp.array([[1.0, 2.0, 3.0, 4.0, 8.0, -8.0]], jnp.bfloat16)  # Hq=Hkv=1, D=2
+    >>> q, k, v = (qkv[:, i:i + 2].reshape(1, 1, 2) for i in (0, 2, 4))
+    >>> cos_sin = jnp.array([[1.0, 0.0], [0.0, 1.0]])                     # positions 0 and 1
+    >>> k_cache = jnp.zeros((2, 4, 1, 2), jnp.float8_e4m3fn)
+    >>> q_rot, k_cache, v_cache = fp8kv_jax.rope_write_kv(
+    ...     q, k, v, k_cache, jnp.zeros_like(k_cache), jnp.array([5]), jnp.array([1]), cos_sin,
+    ...     key_scale=0.5)
+    >>> q_rot.astype(jnp.float32).tolist(), k_cache[1, 1, 0].astype(jnp.float32).tolist()
+    ([[[-2.0, 1.0]]], [-8.0, 6.0])
+    """
+    return _rope_write(dict(query=query, key=key, value=value, key_cache=key_cache,
+                            value_cache=value_cache, slots=slots, positions=positions,
+                            cos_sin_cache=cos_sin_cache),
+                       _scales(key_scale, value_scale, key_scale_cache, value_scale_cache),
+                       query_scale, query_out, return_key, rope_style, rotary_dim, layout,
+                       fp8_format, scale_rounding, check_bounds)
+
+
+def rope_write_kv_combined(query: jax.Array, key: jax.Array, value: jax.Array,
+                           kv_cache: jax.Array, slots: jax.Array, positions: jax.Array,
+                           cos_sin_cache: jax.Array, key_scale: Scale = None,
+                           value_scale: Scale = None, *, rope_style: str = "neox",
+                           rotary_dim: int | None = None, query_scale: Scale = None,
+                           query_out: jax.Array | None = None, return_key: bool = False,
+                           layout: str = "NHD", fp8_format: str | None = None,
+                           key_scale_cache: ScaleCache = None,
+                           value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
+                           check_bounds: bool = False) -> tuple:
+    """:func:`rope_write_kv` into one combined cache (vLLM / FlashInfer style).
+
+    Parameters
+    ----------
+    kv_cache : jax.Array
+        ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD),
+        ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
+        ``[num_slots, 2, num_kv_heads, head_dim]``; index 0 of dim 1 is K, index 1 is V.
+
+    Other parameters are those of :func:`rope_write_kv`.
+
+    Returns
+    -------
+    tuple
+        ``(query_out, kv_cache)``, then ``(key_scale_cache, value_scale_cache)`` when a side
+        scale array is given, then ``key_out`` with ``return_key``.
+
+    Note
+    ----
+    As in :func:`rope_write_kv`: new arrays, or the same buffers when donated under ``jax.jit``.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, fp8kv_jax
+    >>> x = jnp.array([[[1.0, 2.0]]])                         # 1 token, 1 head, head_dim 2
+    >>> q, kv = fp8kv_jax.rope_write_kv_combined(x, x, x, jnp.zeros((2, 2, 4, 1, 2), jnp.uint8),
+    ...                                          jnp.array([6]), jnp.array([0]),
+    ...                                          jnp.array([[0.0, 1.0]]))
+    >>> q.tolist(), kv[1, :, 2, 0].tolist()                   # cos 0, sin 1: (-x2, x1)
+    ([[[-2.0, 1.0]]], [[192, 56], [56, 64]])
+    """
+    return _rope_write(dict(query=query, key=key, value=value, kv_cache=kv_cache, slots=slots,
+                            positions=positions, cos_sin_cache=cos_sin_cache),
+                       _scales(key_scale, value_scale, key_scale_cache, value_scale_cache),
+                       query_scale, query_out, return_key, rope_style, rotary_dim, layout,
+                       fp8_format, scale_rounding, check_bounds)

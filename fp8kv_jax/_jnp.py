@@ -196,3 +196,123 @@ def dequantize_pages(arrays: dict, *, args) -> dict:
     if args.combined:
         return {"kv_out": jnp.stack([k, v], axis=1), "table_out": new_table}
     return {"key_out": k, "value_out": v, "table_out": new_table}
+
+
+# ---------------------------------------------------------------------------------------------
+# rope_write_kv (docs/SPEC.md, section 12)
+
+def mul_rn(a, b):
+    """``RN(a * b)`` of fp32 arrays, computed on their bit patterns with integer arithmetic.
+
+    XLA:CPU contracts ``a * b - c * d`` into a fused multiply-add (one rounding instead of two:
+    about a quarter of random fp32 inputs then differ), and an ``optimization_barrier`` between
+    the product and the sum does not survive to code generation. A product made of integer
+    operations is never contracted. Subnormal inputs and results are exact here (no float
+    operation runs); NaN results are the canonical quiet NaN.
+    """
+    ua, ub = (lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) for x in (a, b))
+    sign = (ua ^ ub) & jnp.uint32(0x80000000)
+
+    def unpack(u):
+        e = ((u >> 23) & 0xFF).astype(jnp.int32)
+        m = u & 0x7FFFFF
+        # Significand with its leading one at bit 23 (subnormals shifted up), and its exponent.
+        shift = jnp.where(e == 0, lax.clz(m).astype(jnp.int32) - 8, 0)
+        sig = jnp.where(e == 0, m << shift.astype(jnp.uint32), m | 0x800000)
+        return e, m, sig, jnp.where(e == 0, 1 - shift, e)
+
+    ea, ma, sa, xa = unpack(ua)
+    eb, mb, sb, xb = unpack(ub)
+    # The 48-bit product of the 24-bit significands, from 12-bit halves: hi * 2**24 + lo.
+    ah, al, bh, bl = sa >> 12, sa & 0xFFF, sb >> 12, sb & 0xFFF
+    mid = ah * bl + al * bh
+    t = al * bl + ((mid & 0xFFF) << 12)
+    lo = t & 0xFFFFFF
+    hi = ah * bh + (mid >> 12) + (t >> 24)
+    top = hi >= 0x800000                                   # product >= 2**47
+    sig = jnp.where(top, hi, (hi << 1) | (lo >> 23))        # 24 bits, leading one at bit 23
+    rest = jnp.where(top, lo, (lo << 1) & 0xFFFFFF)         # the dropped bits, out of 2**24
+    e = xa + xb - 127 + top.astype(jnp.int32)               # biased exponent of sig * 2**-23
+    # Normal result: round half to even on `rest`; a carry out of `sig` bumps the exponent.
+    up = (rest > 0x800000) | ((rest == 0x800000) & ((sig & 1) == 1))
+    normal = (jnp.maximum(e - 1, 0).astype(jnp.uint32) << 23) + sig + up.astype(jnp.uint32)
+    normal = jnp.where((normal >> 23) >= 255, jnp.uint32(0x7F800000), normal)
+    # Subnormal result: shift right by k = 1 - e (k >= 25: below half the smallest subnormal).
+    k = jnp.clip(1 - e, 1, 24).astype(jnp.uint32)
+    q = sig >> k
+    rem = sig & ((jnp.uint32(1) << k) - 1)
+    half = jnp.uint32(1) << (k - 1)
+    up = (rem > half) | ((rem == half) & ((rest != 0) | ((q & 1) == 1)))
+    sub = jnp.where(1 - e >= 25, jnp.uint32(0), q + up.astype(jnp.uint32))
+    bits = jnp.where(e >= 1, normal, sub)
+    nan_a = (ea == 255) & (ma != 0)
+    nan_b = (eb == 255) & (mb != 0)
+    inf_a, inf_b = (ea == 255) & (ma == 0), (eb == 255) & (mb == 0)
+    zero_a, zero_b = (ea == 0) & (ma == 0), (eb == 0) & (mb == 0)
+    bits = jnp.where(zero_a | zero_b, jnp.uint32(0), bits)
+    bits = jnp.where(inf_a | inf_b, jnp.uint32(0x7F800000), bits)
+    bits = bits | sign
+    nan = nan_a | nan_b | (inf_a & zero_b) | (zero_a & inf_b)
+    bits = jnp.where(nan, jnp.uint32(CANONICAL_NAN_BITS["float32"]), bits)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _rotate(x, c, s, args):
+    """Section 12's rotation of ``x`` ``[T, H, D]`` (fp32) with ``c``, ``s`` ``[T, 1, R/2]``:
+    the four products by one :func:`mul_rn` (one copy of its integer arithmetic to compile),
+    then one fp32 subtraction or addition each."""
+    rotary = args.rotary_dim
+    if args.gptj:
+        a, b = x[..., 0:rotary:2], x[..., 1:rotary:2]
+    else:
+        a, b = x[..., :rotary // 2], x[..., rotary // 2:rotary]
+    c, s = (jnp.broadcast_to(v, a.shape) for v in (c, s))
+    p = mul_rn(jnp.stack([a, b, b, a]), jnp.stack([c, s, c, s]))
+    ya = p[0] - p[1]
+    yb = p[2] + p[3]
+    if args.gptj:
+        rotated = jnp.stack([ya, yb], axis=-1).reshape(a.shape[:2] + (rotary,))
+    else:
+        rotated = jnp.concatenate([ya, yb], axis=-1)
+    return jnp.concatenate([rotated, x[..., rotary:]], axis=-1)
+
+
+def _rounded(y, dtype: str, ok):
+    """``y`` rounded (RNE) to ``dtype`` with canonical NaNs; all-zero rows where ``ok`` is
+    False."""
+    uint = _UINT[jnp.dtype(dtype).itemsize]
+    bits = lax.bitcast_convert_type(y.astype(dtype), uint)
+    bits = jnp.where(jnp.isnan(y), uint(CANONICAL_NAN_BITS[dtype]), bits)
+    return lax.bitcast_convert_type(jnp.where(ok[:, None, None], bits, uint(0)), jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("args",))
+def rope_write_kv(arrays: dict, *, args) -> dict:
+    """The outputs by argument name from ``arrays`` (the call's, by argument name): ``query_out``,
+    what :func:`write_kv` returns for the rotated key, and ``key_out`` when ``args.key_out``."""
+    positions = arrays["positions"]
+    ok = _in_range(positions, args.max_position)
+    cs = arrays["cos_sin_cache"]
+    if args.max_position == 0:   # every position is out of range (XLA cannot gather from 0 rows)
+        rows = jnp.zeros((positions.shape[0], args.rotary_dim), jnp.float32)
+    else:
+        rows = cs[jnp.where(ok, positions, 0)].astype(jnp.float32)
+    half = args.rotary_dim // 2
+    c, s = rows[:, None, :half], rows[:, None, half:]
+    # Query and key heads rotated together (one rotation to compile).
+    q_heads = args.query.shape[1]
+    y = _rotate(jnp.concatenate([arrays["query"], arrays["key"]], axis=1).astype(jnp.float32),
+                c, s, args)
+    yq, yk = y[:, :q_heads], y[:, q_heads:]
+    if args.query_format is None:
+        query_out = _rounded(yq, args.query.dtype, ok)
+    else:
+        codes = _quantize(yq, _scale(arrays["query_scale"], args.query_scale, 0), args.query_format)
+        codes = jnp.where(ok[:, None, None], codes, jnp.uint8(0))
+        query_out = lax.bitcast_convert_type(codes, jnp.dtype(args.query_out.dtype))
+    slots = jnp.where(ok, arrays["slots"], -1)
+    out = write_kv({**arrays, "key": yk, "slots": slots}, args=args.write)
+    out["query_out"] = query_out
+    if args.key_out is not None:
+        out["key_out"] = _rounded(yk, args.write.key.dtype, ok)
+    return out

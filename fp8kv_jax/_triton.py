@@ -17,8 +17,9 @@ import numpy as np
 
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import bind
-from fp8kv.operands import OperandMap, dequantize_operands, write_operands
+from fp8kv.operands import OperandMap, dequantize_operands, rope_write_operands, write_operands
 from fp8kv.plan import CUDA, plan_dequantize, plan_write
+from fp8kv.plan_rope import plan_rope_write
 from fp8kv.validate import dequantized_shape
 
 from ._args import DEVICE
@@ -102,3 +103,15 @@ def dequantize_pages(arrays: dict, *, args) -> dict:
     table = jax.ShapeDtypeStruct((args.batch, args.pages_per_seq), jnp.int32)
     new = {"key_out": pages, "value_out": pages, "kv_out": pages, "table_out": table}
     return _launch(ops._dequantize_pages_kernel, plan, dequantize_operands(args), arrays, new)
+
+
+@functools.partial(jax.jit, static_argnames=("args",))
+def rope_write_kv(arrays: dict, *, args) -> dict:
+    """As :func:`fp8kv_jax._jnp.rope_write_kv`: a given ``query_out`` is aliased (written in
+    place when donated), a missing one and ``key_out`` are new outputs."""
+    from fp8kv import ops  # imports Triton: only on this path
+
+    new = {"query_out": jax.ShapeDtypeStruct(args.query.shape, jnp.dtype(args.query_out.dtype)),
+           "key_out": jax.ShapeDtypeStruct(args.write.key.shape, jnp.dtype(args.write.key.dtype))}
+    return _launch(ops._rope_write_kv_kernel, plan_rope_write(args, CUDA),
+                   rope_write_operands(args), arrays, new)

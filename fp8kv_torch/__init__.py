@@ -1,4 +1,5 @@
-"""PyTorch frontend of fp8kv: exact FP8 paged KV-cache write and page dequantization.
+"""PyTorch frontend of fp8kv: exact FP8 paged KV-cache write (with fused RoPE) and page
+dequantization.
 
 CUDA tensors run the compiled Triton kernels; CPU tensors run the same kernels under Triton's
 interpreter (slow, for tests and CPU-only development). Every function is also a
@@ -16,11 +17,11 @@ from fp8kv.spelling import check_flag
 from . import _launch
 from ._fast import FastPathWarning
 from ._spelling import output_dtype
-from ._ops import (dequantize_pages_combined_op, dequantize_pages_op, split_scales,
-                   write_kv_combined_op, write_kv_op)
+from ._ops import (dequantize_pages_combined_op, dequantize_pages_op, rope_write_kv_combined_op,
+                   rope_write_kv_op, split_scales, write_kv_combined_op, write_kv_op)
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
-           "FastPathWarning"]
+           "rope_write_kv", "rope_write_kv_combined", "FastPathWarning"]
 
 Tensor = torch.Tensor
 Scale = Union[float, Tensor, None]
@@ -296,3 +297,163 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
     return _dequantize((kv_cache,), block_table, key_scale, value_scale, dtype, layout,
                        fp8_format, null_page, out, key_scale_cache, value_scale_cache, head_dim,
                        check_bounds)
+
+
+def _rope_write(query, key, value, caches, slots, positions, cos_sin_cache, key_scale,
+                value_scale, rope_style, rotary_dim, query_scale, query_out, key_out, layout,
+                fp8_format, key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
+    """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op."""
+    check_flag(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
+    combined = len(caches) == 1
+    launcher = _launch.rope_write_kv_combined if combined else _launch.rope_write_kv
+    options = dict(rope_style=rope_style, rotary_dim=rotary_dim, layout=layout,
+                   fp8_format=fp8_format, key_scale_cache=key_scale_cache,
+                   value_scale_cache=value_scale_cache, scale_rounding=scale_rounding)
+    if not torch.compiler.is_compiling():
+        return launcher(query, key, value, *caches, slots, positions, cos_sin_cache, key_scale,
+                        value_scale, query_scale, query_out, key_out, check_bounds=check_bounds,
+                        **options)
+    if check_bounds:
+        _launch.host_values(positions, "positions")   # raises: no host reads when compiled
+    if query_out is None:   # made here, outside the op (which mutates it), as dequantize's out
+        query_out = launcher(query, key, value, *caches, slots, positions, cos_sin_cache,
+                             key_scale, value_scale, query_scale, None, key_out, launch=False,
+                             **options)
+    scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
+                                        value_scale_cache)
+    ks, vs, ksv, vsv = scales
+    qs, qsv = (query_scale, None) if isinstance(query_scale, Tensor) else (None, query_scale)
+    op = rope_write_kv_combined_op if combined else rope_write_kv_op
+    op(query, key, value, *caches, slots, positions, cos_sin_cache, ks, vs, qs, ksv, vsv, qsv,
+       rope_style, rotary_dim, layout, fp8_format, query_out, key_out, *scale_caches,
+       scale_rounding)
+    return query_out
+
+
+def rope_write_kv(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor,
+                  value_cache: Tensor, slots: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+                  key_scale: Scale = None, value_scale: Scale = None, *,
+                  rope_style: str = "neox", rotary_dim: int | None = None,
+                  query_scale: Scale = None, query_out: Tensor | None = None,
+                  key_out: Tensor | None = None, layout: str = "NHD",
+                  fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
+                  value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
+                  check_bounds: bool = False) -> Tensor:
+    """Apply RoPE to ``query`` and ``key``, then quantize K and V to FP8 and write them into a
+    paged cache, in one launch (docs/SPEC.md, section 12).
+
+    The result is exactly :func:`write_kv` of the rotated key (fp32), the rotation being
+    ``y_a = RN(RN(x_a c) - RN(x_b s))``, ``y_b = RN(RN(x_b c) + RN(x_a s))`` in fp32 (no FMA).
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``[num_tokens, num_heads, head_dim]``, the dtype of ``key``; ``num_heads`` a multiple of
+        ``num_kv_heads``. Any strides with a unit-stride last dim (e.g. the query slice of a
+        fused QKV projection output).
+    key, value : torch.Tensor
+        ``[num_tokens, num_kv_heads, head_dim]``, bfloat16 / float16 / float32, any strides with
+        a unit-stride last dim.
+    key_cache, value_cache : torch.Tensor
+        As in :func:`write_kv`: NHD ``[num_pages, page_size, num_kv_heads, head_dim]``, HND
+        ``[num_pages, num_kv_heads, page_size, head_dim]`` or ``[num_slots, num_kv_heads,
+        head_dim]``; ``float8_e4m3fn``, ``float8_e5m2`` or ``uint8``.
+    slots : torch.Tensor
+        ``[num_tokens]`` int32 / int64, as in :func:`write_kv` (``< 0``: padding, no K/V write;
+        the query row is still rotated).
+    positions : torch.Tensor
+        ``[num_tokens]`` int32 / int64, each token's row of ``cos_sin_cache``. A position outside
+        ``[0, max_position)`` gives an all-zero query (and key_out) row and writes no K/V.
+    cos_sin_cache : torch.Tensor
+        ``[max_position, rotary_dim]`` float32 / bfloat16 / float16: cos in the first
+        ``rotary_dim / 2`` columns, sin in the rest (vLLM / FlashInfer convention).
+    key_scale, value_scale : None, float or torch.Tensor
+        Dequant scales of the cache, as in :func:`write_kv`.
+    rope_style : {"neox", "gptj"}
+        Pairs ``(i, i + rotary_dim / 2)`` (NeoX, Llama) or ``(2i, 2i + 1)`` (GPT-J).
+    rotary_dim : int, optional
+        The rotated columns (default: the width of ``cos_sin_cache``, which it must equal); even,
+        at most ``head_dim``. Columns from ``rotary_dim`` on pass through.
+    query_scale : None, float or torch.Tensor
+        None: ``query_out`` has ``query``'s dtype. A float or a float32 tensor ``[]`` / ``[1]``:
+        ``query_out`` holds FP8 codes ``RNE_sat(y / query_scale)`` (for FP8 attention).
+    query_out : torch.Tensor, optional
+        ``[num_tokens, num_heads, head_dim]`` to write the rotated query into (e.g. for CUDA
+        graphs), any strides with a unit-stride last dim: ``query``'s dtype, or with
+        ``query_scale`` ``float8_e4m3fn``, ``float8_e5m2`` (e5m2 codes) or ``uint8`` (e4m3
+        codes). May be ``query`` itself (in place). None: a new contiguous tensor.
+    key_out : torch.Tensor, optional
+        ``[num_tokens, num_kv_heads, head_dim]`` of ``key``'s dtype: receives the rotated key
+        (may be ``key`` itself).
+    layout, fp8_format, key_scale_cache, value_scale_cache, scale_rounding
+        As in :func:`write_kv` (dynamic scales take the amax of the rotated key rows).
+    check_bounds : bool
+        Debugging aid (off by default): read ``positions`` and ``slots`` on the host and raise
+        ``ValueError`` for a position outside the cos/sin cache or a slot past the cache. A
+        device sync: refused inside CUDA-graph capture and under ``torch.compile``.
+
+    Returns
+    -------
+    query_out : torch.Tensor
+        The rotated query (the given ``query_out``, or a new tensor).
+
+    Note
+    ----
+    ``key_cache`` and ``value_cache`` (and the scale caches), ``query_out`` and ``key_out`` are
+    modified in place; cache bytes that no written slot names are never touched. Every element
+    of ``query_out`` and ``key_out`` is written.
+
+    Examples
+    --------
+    >>> import torch, fp8kv_torch
+    >>> qkv = torch.tensor([[1.0, 2.0, 3.0, 4.0, 8.0, -8.0]], dtype=torch.bfloat16)  # Hq=Hkv=1, D=2
+    >>> q, k, v = (qkv[:, i:i + 2].view(1, 1, 2) for i in (0, 2, 4))
+    >>> cos_sin = torch.tensor([[1.0, 0.0], [0.0, 1.0]])                  # positions 0 and 1
+    >>> k_cache = torch.zeros(2, 4, 1, 2, dtype=torch.float8_e4m3fn)
+    >>> v_cache = torch.zeros_like(k_cache)
+    >>> q_rot = fp8kv_torch.rope_write_kv(q, k, v, k_cache, v_cache, torch.tensor([5]),
+    ...                                   torch.tensor([1]), cos_sin, key_scale=0.5)
+    >>> q_rot.tolist(), k_cache[1, 1, 0].float().tolist(), v_cache[1, 1, 0].float().tolist()
+    ([[[-2.0, 1.0]]], [-8.0, 6.0], [8.0, -8.0])
+    """
+    return _rope_write(query, key, value, (key_cache, value_cache), slots, positions,
+                       cos_sin_cache, key_scale, value_scale, rope_style, rotary_dim,
+                       query_scale, query_out, key_out, layout, fp8_format, key_scale_cache,
+                       value_scale_cache, scale_rounding, check_bounds)
+
+
+def rope_write_kv_combined(query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
+                           slots: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+                           key_scale: Scale = None, value_scale: Scale = None, *,
+                           rope_style: str = "neox", rotary_dim: int | None = None,
+                           query_scale: Scale = None, query_out: Tensor | None = None,
+                           key_out: Tensor | None = None, layout: str = "NHD",
+                           fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
+                           value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
+                           check_bounds: bool = False) -> Tensor:
+    """:func:`rope_write_kv` into one combined cache (vLLM / FlashInfer style).
+
+    Parameters
+    ----------
+    kv_cache : torch.Tensor
+        ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD),
+        ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
+        ``[num_slots, 2, num_kv_heads, head_dim]``; index 0 of dim 1 is K, index 1 is V.
+
+    Other parameters and the result are those of :func:`rope_write_kv`. ``kv_cache`` (and the
+    scale caches, ``query_out``, ``key_out``) are modified in place.
+
+    Examples
+    --------
+    >>> import torch, fp8kv_torch
+    >>> x = torch.tensor([[[1.0, 2.0]]])                        # 1 token, 1 head, head_dim 2
+    >>> kv = torch.zeros(2, 2, 4, 1, 2, dtype=torch.uint8)
+    >>> q = fp8kv_torch.rope_write_kv_combined(x, x, x, kv, torch.tensor([6]),
+    ...                                        torch.tensor([0]), torch.tensor([[0.0, 1.0]]))
+    >>> q.tolist(), kv[1, :, 2, 0].tolist()                     # cos 0, sin 1: (-x2, x1)
+    ([[[-2.0, 1.0]]], [[192, 56], [56, 64]])
+    """
+    return _rope_write(query, key, value, (kv_cache,), slots, positions, cos_sin_cache,
+                       key_scale, value_scale, rope_style, rotary_dim, query_scale, query_out,
+                       key_out, layout, fp8_format, key_scale_cache, value_scale_cache,
+                       scale_rounding, check_bounds)

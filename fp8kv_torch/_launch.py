@@ -25,10 +25,12 @@ import torch
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import BoundCall, bind
-from fp8kv.operands import OperandMap, dequantize_operands, write_operands
+from fp8kv.operands import OperandMap, dequantize_operands, rope_write_operands, write_operands
 from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
+from fp8kv.plan_rope import plan_rope_write
 from fp8kv.validate import (check_dequantize, check_out, check_slots_in_range, check_table_in_range,
                             check_write, dequantized_shape, frontend_args)
+from fp8kv.validate_rope import check_positions_in_range, check_rope_write
 
 from . import _fast
 
@@ -43,6 +45,13 @@ ARGUMENTS = {
                    "key_scale_cache", "value_scale_cache", "key_out", "value_out", "table_out"),
     "dequantize_combined": ("kv_cache", "block_table", "key_scale", "value_scale",
                             "key_scale_cache", "value_scale_cache", "kv_out", "table_out"),
+    # query_out last: an allocating call leaves it out and makes it per call.
+    "rope_write": ("query", "key", "value", "key_cache", "value_cache", "slots", "positions",
+                   "cos_sin_cache", "key_scale", "value_scale", "query_scale", "key_scale_cache",
+                   "value_scale_cache", "key_out", "query_out"),
+    "rope_write_combined": ("query", "key", "value", "kv_cache", "slots", "positions",
+                            "cos_sin_cache", "key_scale", "value_scale", "query_scale",
+                            "key_scale_cache", "value_scale_cache", "key_out", "query_out"),
 }
 _SCALES = ("key_scale", "value_scale", "key_scale_cache", "value_scale_cache")
 _OUTPUTS = ("key_out", "value_out", "kv_out", "table_out")
@@ -161,6 +170,7 @@ def clear_launch_caches() -> None:
     """Forget cached plans and launches (after changing ``fp8kv.plan``'s size tables)."""
     plan_write.cache_clear()
     plan_dequantize.cache_clear()
+    plan_rope_write.cache_clear()
     _READY.clear()
     _LAST.clear()
     _PREVIOUS_KEY.clear()
@@ -418,3 +428,96 @@ def dequantize_pages_combined(kv_cache, block_table, key_scale, value_scale, dty
                                                key_scale_cache, value_scale_cache),
                        None if outs is None else tuple(outs), dtype, layout, fp8_format,
                        null_page, head_dim, exact, launch, check_bounds)
+
+
+# rope_write_kv: the arguments validation takes as they are (not necessarily arrays).
+_ROPE_OPTIONAL = ("key_scale", "value_scale", "query_scale", "key_scale_cache",
+                  "value_scale_cache", "key_out", "query_out")
+
+
+class _QueryOut:
+    """An allocating rope_write_kv's ``query_out`` for one signature: ``make()`` returns a new
+    contiguous tensor in a 1-tuple (``templates=False``: plain ``torch.empty``, as
+    :class:`_NewOutputs`)."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, device: torch.device,
+                 templates: bool = True):
+        empty = _empty_maker(shape, dtype, device, templates)
+        self.make = lambda: (empty(),)
+
+
+_query_outs = functools.lru_cache(maxsize=256)(_QueryOut)
+
+
+def _rope_write(op: str, args: tuple, query_out, rope_style, rotary_dim, layout, fp8_format,
+                scale_rounding, exact, launch, check_bounds):
+    """Validate, plan and launch one rope_write_kv; returns ``query_out`` (made when None)."""
+    allocating = query_out is None
+    values = args if allocating else args + (query_out,)
+    ready_key = None
+    if launch and exact is None and not check_bounds:
+        options = typed((rope_style, rotary_dim, layout, fp8_format, scale_rounding, allocating))
+        served, result = _cached_launch(op, values, options)
+        if served:
+            return result[0] if allocating else query_out
+        ready_key = result
+    named = dict(zip(ARGUMENTS[op], values))
+    arrays = {n: a for n, a in named.items() if n not in _ROPE_OPTIONAL}
+    others = {n: named.get(n) for n in _ROPE_OPTIONAL}
+    valid = check_rope_write(**frontend_args(info, torch.Tensor, arrays, others),
+                             rope_style=rope_style, rotary_dim=rotary_dim, layout=layout,
+                             fp8_format=fp8_format, scale_rounding=scale_rounding)
+    if check_bounds:
+        check_positions_in_range(host_values(arrays["positions"], "positions"),
+                                 valid.max_position)
+        check_slots_in_range(host_values(arrays["slots"], "slots"),
+                             valid.write.key_cache.num_slots)
+    query = arrays["query"]
+    backend = _backend(query, "query")
+    new_outputs = None
+    if allocating:
+        shape, dtype = tuple(query.shape), getattr(torch, valid.query_out.dtype)
+        new_outputs = (_query_outs(shape, dtype, query.device) if launch
+                       else _QueryOut(shape, dtype, query.device, templates=False))
+        (query_out,) = new_outputs.make()
+    if not launch:   # the custom op's fake: validation (and the output) only
+        return query_out
+    plan = plan_rope_write(valid, backend, exact)
+    if not plan.empty:
+        _launch(ops._rope_write_kv_kernel, plan, backend, query.device, rope_write_operands(valid),
+                ARGUMENTS[op], values + ((query_out,) if allocating else ()), ready_key,
+                new_outputs)
+    return query_out
+
+
+def rope_write_kv(query, key, value, key_cache, value_cache, slots, positions, cos_sin_cache,
+                  key_scale, value_scale, query_scale=None, query_out=None, key_out=None, *,
+                  rope_style="neox", rotary_dim=None, layout="NHD", fp8_format=None,
+                  key_scale_cache=None, value_scale_cache=None, scale_rounding="exact",
+                  exact=None, launch=True, check_bounds=False):
+    """Validate, plan and launch one rope_write_kv; returns ``query_out``.
+
+    ``exact`` forces the exact (True) or hardware (False) conversions; ``launch=False`` only
+    validates and makes ``query_out`` (the fake implementation of the custom op).
+    """
+    return _rope_write("rope_write", (query, key, value, key_cache, value_cache, slots,
+                                      positions, cos_sin_cache, key_scale, value_scale,
+                                      query_scale, key_scale_cache, value_scale_cache, key_out),
+                       query_out, rope_style, rotary_dim, layout, fp8_format, scale_rounding,
+                       exact, launch, check_bounds)
+
+
+def rope_write_kv_combined(query, key, value, kv_cache, slots, positions, cos_sin_cache,
+                           key_scale, value_scale, query_scale=None, query_out=None,
+                           key_out=None, *, rope_style="neox", rotary_dim=None, layout="NHD",
+                           fp8_format=None, key_scale_cache=None, value_scale_cache=None,
+                           scale_rounding="exact", exact=None, launch=True, check_bounds=False):
+    """:func:`rope_write_kv` into one combined ``kv_cache``."""
+    return _rope_write("rope_write_combined", (query, key, value, kv_cache, slots, positions,
+                                               cos_sin_cache, key_scale, value_scale,
+                                               query_scale, key_scale_cache, value_scale_cache,
+                                               key_out),
+                       query_out, rope_style, rotary_dim, layout, fp8_format, scale_rounding,
+                       exact, launch, check_bounds)

@@ -1,8 +1,9 @@
 """torch.library custom ops: what torch.compile sees. Eager calls skip the dispatcher.
 
 One op per public function (``fp8kv::write_kv``, ``fp8kv::write_kv_combined``,
-``fp8kv::dequantize_pages``, ``fp8kv::dequantize_pages_combined``): a combined cache is its own
-op with its own argument, never a missing one.
+``fp8kv::dequantize_pages``, ``fp8kv::dequantize_pages_combined``, ``fp8kv::rope_write_kv``,
+``fp8kv::rope_write_kv_combined``): a combined cache is its own op with its own argument, never a
+missing one.
 """
 from __future__ import annotations
 
@@ -127,3 +128,66 @@ dequantize_pages_op = _op("dequantize_pages", _dequantize_pages,
                           ("key_out", "value_out", "table_out"))
 dequantize_pages_combined_op = _op("dequantize_pages_combined", _dequantize_pages_combined,
                                    ("kv_out", "table_out"))
+
+
+def _rope_write_kv(launch: bool, combined: bool):
+    """The rope_write_kv op's implementation (``launch``) or its fake (validation only); the
+    frontend makes ``query_out`` before calling it. ``combined``: ``caches`` is ``(kv_cache,)``.
+    """
+    launcher = _launch.rope_write_kv_combined if combined else _launch.rope_write_kv
+
+    def run(query, key, value, caches, slots, positions, cos_sin_cache, key_scale, value_scale,
+            query_scale, key_scale_value, value_scale_value, query_scale_value, rope_style,
+            rotary_dim, layout, fp8_format, query_out, key_out, key_scale_cache,
+            value_scale_cache, key_scale_inline, value_scale_inline, scale_rounding):
+        s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
+                    value_scale_cache, key_scale_inline, value_scale_inline)
+        launcher(query, key, value, *caches, slots, positions, cos_sin_cache, s["key_scale"],
+                 s["value_scale"], query_scale if query_scale is not None else query_scale_value,
+                 query_out, key_out, rope_style=rope_style, rotary_dim=rotary_dim, layout=layout,
+                 fp8_format=fp8_format, key_scale_cache=s["key_scale_cache"],
+                 value_scale_cache=s["value_scale_cache"], scale_rounding=scale_rounding,
+                 launch=launch)
+
+    if combined:
+        def rope_write_kv_combined(
+                query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor,
+                positions: Tensor, cos_sin_cache: Tensor, key_scale: Optional[Tensor],
+                value_scale: Optional[Tensor], query_scale: Optional[Tensor],
+                key_scale_value: Optional[float], value_scale_value: Optional[float],
+                query_scale_value: Optional[float], rope_style: str, rotary_dim: Optional[int],
+                layout: str, fp8_format: Optional[str], query_out: Tensor,
+                key_out: Optional[Tensor], key_scale_cache: Optional[Tensor],
+                value_scale_cache: Optional[Tensor], key_scale_inline: bool,
+                value_scale_inline: bool, scale_rounding: str) -> None:
+            run(query, key, value, (kv_cache,), slots, positions, cos_sin_cache, key_scale,
+                value_scale, query_scale, key_scale_value, value_scale_value, query_scale_value,
+                rope_style, rotary_dim, layout, fp8_format, query_out, key_out, key_scale_cache,
+                value_scale_cache, key_scale_inline, value_scale_inline, scale_rounding)
+        return rope_write_kv_combined
+
+    def rope_write_kv(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor,
+                      value_cache: Tensor, slots: Tensor, positions: Tensor,
+                      cos_sin_cache: Tensor, key_scale: Optional[Tensor],
+                      value_scale: Optional[Tensor], query_scale: Optional[Tensor],
+                      key_scale_value: Optional[float], value_scale_value: Optional[float],
+                      query_scale_value: Optional[float], rope_style: str,
+                      rotary_dim: Optional[int], layout: str, fp8_format: Optional[str],
+                      query_out: Tensor, key_out: Optional[Tensor],
+                      key_scale_cache: Optional[Tensor], value_scale_cache: Optional[Tensor],
+                      key_scale_inline: bool, value_scale_inline: bool,
+                      scale_rounding: str) -> None:
+        run(query, key, value, (key_cache, value_cache), slots, positions, cos_sin_cache,
+            key_scale, value_scale, query_scale, key_scale_value, value_scale_value,
+            query_scale_value, rope_style, rotary_dim, layout, fp8_format, query_out, key_out,
+            key_scale_cache, value_scale_cache, key_scale_inline, value_scale_inline,
+            scale_rounding)
+    return rope_write_kv
+
+
+_ROPE_OUTPUTS = ("query_out", "key_out") + _SCALE_CACHES
+rope_write_kv_op = _op("rope_write_kv", lambda launch: _rope_write_kv(launch, False),
+                       ("key_cache", "value_cache") + _ROPE_OUTPUTS)
+rope_write_kv_combined_op = _op("rope_write_kv_combined",
+                                lambda launch: _rope_write_kv(launch, True),
+                                ("kv_cache",) + _ROPE_OUTPUTS)

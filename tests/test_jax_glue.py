@@ -13,6 +13,9 @@ from fp8kv import reference  # noqa: E402
 from tests.cases import (DEQUANT_CASES, WRITE_CASES, as_uint, dequant_inputs,  # noqa: E402
                          write_inputs)
 from tests.jax_glue import use_interpreted_gpu_path  # noqa: E402
+from tests.rope_cases import ROPE_CASES, rope_inputs  # noqa: E402
+from tests.rope_cases import expected as rope_expected  # noqa: E402
+from tests.rope_cases import options as rope_options  # noqa: E402
 
 
 def to_jax(inputs: dict, device) -> dict:
@@ -71,3 +74,37 @@ def test_gpu_dequantize_launch_in_interpreter(case, combined, monkeypatch):
         g = np.asarray(g)
         assert (g.shape, g.dtype) == (want.shape, want.dtype)
         np.testing.assert_array_equal(as_uint(g), as_uint(want))
+
+
+GLUE_ROPE_CASES = [ROPE_CASES[i] for i in (0, 3, 6, 7, 9, 10)]
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+@pytest.mark.parametrize("case", GLUE_ROPE_CASES, ids=lambda c: c.id)
+def test_gpu_rope_write_launch_in_interpreter(case, combined, monkeypatch):
+    """fp8kv_jax.rope_write_kv's jax-triton launch: query_out given (aliased) for odd token
+    counts and FP8 formats other than the default, else a new output; the rotated key a new
+    output; caches and side scale arrays aliased. (Inputs without fp32 subnormals: XLA:CPU
+    flushes them on their way to the interpreter.)"""
+    use_interpreted_gpu_path(monkeypatch)
+    inputs = rope_inputs(case, subnormals=False)
+    want = rope_expected(case, inputs)
+    given = case.q_out in ("e5m2", "uint8") or case.tokens % 2 == 1
+    arrays = {k: v for k, v in inputs.items() if k != "key_out"}
+    if not given:
+        arrays.pop("query_out")
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu), jax.enable_x64(case.slots == "int64"):
+        if combined:
+            arrays["kv_cache"] = np.stack([arrays.pop("key_cache"), arrays.pop("value_cache")], 1)
+            out = fp8kv_jax.rope_write_kv_combined(**to_jax(arrays, cpu), return_key=True,
+                                                   **rope_options(case))
+            out = (out[0], *np.moveaxis(np.asarray(out[1]), 1, 0), *out[2:])
+        else:
+            out = fp8kv_jax.rope_write_kv(**to_jax(arrays, cpu), return_key=True,
+                                          **rope_options(case))
+    assert len(out) == len(want)
+    for g, (name, w) in zip(out, want.items()):
+        g = np.asarray(g)
+        assert (g.shape, g.dtype) == (w.shape, w.dtype), name
+        np.testing.assert_array_equal(as_uint(g), as_uint(w), err_msg=name)

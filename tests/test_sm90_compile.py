@@ -17,10 +17,12 @@ from tests.cases import DEQUANT_CASES, WRITE_CASES, scale_values
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import bind
-from fp8kv.operands import dequantize_operands, write_operands
+from fp8kv.operands import dequantize_operands, rope_write_operands, write_operands
 from fp8kv.modes import ScaleKind
 from fp8kv.plan import CUDA, plan_dequantize, plan_write
+from fp8kv.plan_rope import plan_rope_write
 from fp8kv.validate import check_dequantize, check_write, dequantized_shape
+from fp8kv.validate_rope import check_rope_write
 
 POINTER_TYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32",
                  "float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5", "uint8": "*u8",
@@ -244,3 +246,122 @@ def test_dynamic_scale_kernels_compile_for_sm90(variant, exact):
         ops._dequantize_pages_kernel, dequant_arrays(dargs, cache_dtype, "int32", scale_dtype, "bfloat16"),
         dplan))
     assert "ftz" not in " ".join(found)
+
+
+# rope_write_kv: (style, rotary_dim, head_dim, q_heads, kv_heads, dtype, cos/sin dtype, K/V
+# scales, query out, key_out, layout, tokens)
+ROPE_VARIANTS = [
+    ("neox", 128, 128, 32, 8, "bfloat16", "float32", "tensor", "bfloat16", False, "NHD", 65536),
+    ("gptj", 128, 128, 32, 8, "bfloat16", "bfloat16", "float", "float8_e4m3fn", True, "NHD", 16),
+    ("neox", 64, 128, 8, 8, "float16", "float16", "head", "float8_e5m2", False, "HND", 64),
+    ("gptj", 32, 80, 6, 1, "float32", "float32", "none", "float32", True, "3D", 7),
+    ("neox", 96, 96, 4, 2, "bfloat16", "float32", "token_head", "uint8", False, "NHD", 300),
+    ("gptj", 64, 256, 8, 2, "bfloat16", "float32", "token", "bfloat16", True, "HND", 5),
+    ("neox", 128, 128, 32, 8, "bfloat16", "float32", "inline16", "bfloat16", False, "NHD", 4096),
+]
+
+
+def _rope_args(variant):
+    """Validated arguments of a variant (query, K and V as views of one fused QKV buffer) and
+    the dtype of each array parameter."""
+    style, rotary, d, hq, h, dtype, cs_dtype, scale, q_out, key_out, layout, t = variant
+    pad = {"inline4": 4, "inline16": 16}.get(scale, 0)
+    page = 1 if layout == "3D" else 16
+    pages = t // page + 4
+    shape = {"3D": (pages, h, d + pad), "NHD": (pages, page, h, d + pad),
+             "HND": (pages, h, page, d + pad)}[layout]
+    cache = ArrayInfo.contiguous(shape, "uint8" if pad else "float8_e4m3fn", "cuda:0")
+    row = (hq + 2 * h) * d
+    q = ArrayInfo((t, hq, d), (row, d, 1), dtype, "cuda:0")
+    k = ArrayInfo((t, h, d), (row, d, 1), dtype, "cuda:0")
+    ints = ArrayInfo.contiguous((t,), "int64", "cuda:0")
+    cs = ArrayInfo.contiguous((4096, rotary), cs_dtype, "cuda:0")
+    dynamic = pad or scale in ("token", "token_head")
+    scale_info = scale_arg("none" if dynamic else scale, h)
+    side = None
+    if pad:
+        side = "inline"
+    elif scale in ("token", "token_head"):
+        full = {"NHD": shape[:3], "HND": shape[:3], "3D": shape[:2]}[layout]
+        side = ArrayInfo.contiguous(full if scale == "token_head" else
+                                    ((pages,) if layout == "3D" else (pages, page)),
+                                    "float32", "cuda:0")
+    fp8 = q_out not in ("bfloat16", "float16", "float32")
+    args = check_rope_write(
+        q, k, k, cache, cache, ints, ints, cs, scale_info, scale_info, rope_style=style,
+        rotary_dim=rotary, query_scale=0.5 if fp8 else None,
+        query_out=ArrayInfo.contiguous((t, hq, d), q_out, "cuda:0"),
+        key_out=ArrayInfo.contiguous((t, h, d), dtype, "cuda:0") if key_out else None,
+        layout="NHD" if layout == "3D" else layout, fp8_format=None, key_scale_cache=side,
+        value_scale_cache=side)
+    scale_dtype = "float32" if isinstance(scale_info, ArrayInfo) or isinstance(side, ArrayInfo) \
+        else "int64"
+    arrays = rope_write_operands(args).arrays(dict(
+        query=dtype, key=dtype, value=dtype, key_cache=cache.dtype, value_cache=cache.dtype,
+        kv_cache=cache.dtype, slots="int64", positions="int64", cos_sin_cache=cs_dtype,
+        key_scale=scale_dtype, value_scale=scale_dtype, query_scale="float32",
+        key_scale_cache=scale_dtype, value_scale_cache=scale_dtype, query_out=q_out,
+        key_out=dtype))
+    return args, arrays
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("variant", ROPE_VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_rope_write_kernel_compiles_for_sm90(variant, exact):
+    args, arrays = _rope_args(variant)
+    plan = plan_rope_write(args, CUDA, exact)
+    compiled = compile_for_hopper(ops._rope_write_kv_kernel, arrays, plan)
+    found = ptx_ops(compiled)
+    assert "ftz" not in " ".join(found)
+    if not exact:
+        assert any(op.startswith("cvt.rn.satfinite") for op in found)
+    if variant[7] != "none" or variant[8] != variant[5]:   # a scale: IEEE division
+        # div_rn, or (one scale, small batch) the reciprocal refined in fp64 and corrected
+        assert "div.rn.f32" in found or (
+            plan.constexprs["RECIPROCAL_DIV"] and not exact
+            and "fma.rn.f64" in compiled.asm["ptx"])
+
+
+@pytest.mark.parametrize("int_divisibility", [True, False], ids=["torch-style", "jax-triton-style"])
+@pytest.mark.parametrize("tokens", [65536, 16])
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_rope_default_shape_gets_16_byte_accesses(style, tokens, int_divisibility):
+    """Llama-3-8B (32 query heads, 8 kv heads x 128) from one fused QKV buffer, bf16 -> e4m3, a
+    device scale: 16-byte loads and stores, the rotation's pair formed in registers (no shared
+    memory, for the gptj reshape/split either), and at large batches no FMA (the products are
+    rounded on their own; small batches use FMAs only for the reciprocal division)."""
+    variant = (style, 128, 128, 32, 8, "bfloat16", "float32", "tensor", "bfloat16", False,
+               "NHD", tokens)
+    args, arrays = _rope_args(variant)
+    plan = plan_rope_write(args, CUDA)
+    compiled = compile_for_hopper(ops._rope_write_kv_kernel, arrays, plan, int_divisibility)
+    found = ptx_ops(compiled)
+    assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, found
+    ptx = compiled.asm["ptx"]
+    assert "ld.shared" not in ptx and "st.shared" not in ptx
+    assert "ftz" not in ptx
+    if not plan.constexprs["RECIPROCAL_DIV"]:
+        assert not re.search(r"\bfma\.", ptx)
+
+
+@pytest.mark.parametrize("entries", [
+    dict(small_kv_heads_per_program=2), dict(small_kv_heads_per_program=1, small_batch_warps=4),
+    dict(small_block_t=2), dict(small_batch_warps=16), dict(reciprocal_div=False),
+], ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
+def test_rope_small_batch_plan_variants_compile_for_sm90(entries, monkeypatch):
+    """The small-batch size-table entries the bench tries (bench/rope.py) compile for sm_90."""
+    from fp8kv.plan_rope import ROPE_SIZES
+
+    for name, value in entries.items():
+        monkeypatch.setitem(ROPE_SIZES[CUDA], name, value)
+    plan_rope_write.cache_clear()
+    try:
+        variant = ("neox", 128, 128, 32, 8, "bfloat16", "float32", "tensor", "float8_e4m3fn",
+                   False, "NHD", 16)
+        args, arrays = _rope_args(variant)
+        compiled = compile_for_hopper(ops._rope_write_kv_kernel, arrays,
+                                      plan_rope_write(args, CUDA))
+        assert "ld.shared" not in compiled.asm["ptx"]
+    finally:
+        monkeypatch.undo()
+        plan_rope_write.cache_clear()

@@ -153,6 +153,7 @@ def test_check_bounds_must_be_a_bool(frontend, bad, kind):
     key, cache, slots = _write_args(array)
     combined = array(np.zeros((4, 2, 4, 1, 16), np.uint8))
     codes, table = array(CODES.copy()), array(TABLE)
+    positions, cos_sin = array(np.array([0, 1])), array(np.ones((4, 16), np.float32))
     calls = {
         "write_kv": lambda: mod.write_kv(key, key, cache, cache, slots, check_bounds=bad),
         "write_kv_combined": lambda: mod.write_kv_combined(key, key, combined, slots,
@@ -160,6 +161,10 @@ def test_check_bounds_must_be_a_bool(frontend, bad, kind):
         "dequantize_pages": lambda: mod.dequantize_pages(codes, codes, table, check_bounds=bad),
         "dequantize_pages_combined": lambda: mod.dequantize_pages_combined(
             array(np.stack([CODES] * 2, axis=1)), table, check_bounds=bad),
+        "rope_write_kv": lambda: mod.rope_write_kv(key, key, key, cache, cache, slots, positions,
+                                                   cos_sin, check_bounds=bad),
+        "rope_write_kv_combined": lambda: mod.rope_write_kv_combined(
+            key, key, key, combined, slots, positions, cos_sin, check_bounds=bad),
     }
     assert set(calls) == {name for name in mod.__all__ if not isinstance(getattr(mod, name), type)}
     for name, call in calls.items():

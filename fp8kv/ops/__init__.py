@@ -1,6 +1,8 @@
 """Triton kernels, one op per module; see :func:`fp8kv.ops._dual.kernel_for` for the CPU twin."""
 from ._dual import interpreted, kernel_for
 from .dequantize_pages import _dequantize_pages_kernel
+from .rope_write_kv import _rope_write_kv_kernel
 from .write_kv import _write_kv_kernel
 
-__all__ = ["kernel_for", "interpreted", "_write_kv_kernel", "_dequantize_pages_kernel"]
+__all__ = ["kernel_for", "interpreted", "_write_kv_kernel", "_dequantize_pages_kernel",
+           "_rope_write_kv_kernel"]

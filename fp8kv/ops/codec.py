@@ -165,6 +165,29 @@ def divide_by_scalar(x, s1, y, f1, f2):
 
 
 @jit
+def scalar_reciprocal(s, KIND: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """:func:`divide`'s divisor for one scale ``s`` of ``KIND`` (VALUE or TENSOR), made once per
+    program: :func:`scalar_divisor`'s ``(s1, y, f1, f2)`` on the reciprocal path, else ``s``
+    itself in each place (unused)."""
+    if RECIPROCAL and not EXACT and (KIND == SCALE_VALUE or KIND == SCALE_TENSOR):
+        divisor = scalar_divisor(s)
+    else:
+        divisor = (s, s, s, s)
+    return divisor
+
+
+@jit
+def divide(x, s, divisor, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """``RN(x / s)`` for one scale ``s`` (``divisor``: its :func:`scalar_reciprocal`):
+    :func:`divide_by_scalar` on the reciprocal path, else ``div_rn``."""
+    if EXACT or not RECIPROCAL:
+        q = tl.math.div_rn(x, s)
+    else:
+        q = divide_by_scalar(x, divisor[0], divisor[1], divisor[2], divisor[3])
+    return q
+
+
+@jit
 def divide_pair(xk, sk, xv, sv, K_ON: tl.constexpr, V_ON: tl.constexpr, EXACT: tl.constexpr,
                 RECIPROCAL: tl.constexpr):
     """``xk / sk`` (where ``K_ON``) and ``xv / sv`` (where ``V_ON``), correctly rounded (IEEE
