@@ -31,12 +31,13 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from . import (accuracy, dequant, dynamic, eager, jax_profile, jax_tables,  # noqa: E402
-               small_writes, sweep, write_torch)
+               nvfp4, small_writes, sweep, write_torch)
 from .common import Timer, copy_bandwidth, free_memory, make_config  # noqa: E402
 from .plot import plot_table  # noqa: E402
 from .results import Table, markdown, write_csv  # noqa: E402
 
-TABLES = ("write", "variants", "small", "dequant", "dynamic", "eager", "sweep", "accuracy", "jax")
+TABLES = ("write", "variants", "small", "dequant", "dynamic", "eager", "sweep", "accuracy", "jax",
+          "nvfp4")
 CPU_LABEL = "CPU interpreter - not performance"
 CPU_BANNER = ("No CUDA GPU found: only a short harness check runs, through Triton's CPU "
               "interpreter; its numbers are not performance.")
@@ -190,6 +191,7 @@ def main(argv=None) -> None:
              ({"small"}, "table write_small", one(small_writes.table_write_small)),
              ({"dequant"}, "table table_dequant", one(dequant.table_dequant)),
              ({"dynamic"}, "table table_dynamic", one(dynamic.table_dynamic)),
+             ({"nvfp4"}, "table table_nvfp4", one(nvfp4.table_nvfp4)),
              ({"eager"}, "eager tables", lambda: eager.eager_tables(device, cfg, cuda)),
              ({"sweep"}, "sweep", lambda: sweep.sweep_tables(device, cfg, timer))]
     for keys, label, build in steps:
