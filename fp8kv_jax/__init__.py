@@ -157,6 +157,22 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
     ...                                       jnp.array([5]), key_scale=0.5)
     >>> k_cache[1, 1, 0].astype(jnp.float32).tolist()
     [2.0, -4.0, 448.0, 0.625]
+
+    NVFP4: 16 elements, one block; its amax 6 gives the block scale 1.0 (6 / 6).
+
+    >>> x = jnp.linspace(-6, 6, 16).reshape(1, 1, 16)                   # head_dim 16
+    >>> codes = jnp.zeros((2, 4, 1, 8), jnp.uint8)                      # head_dim / 2 bytes
+    >>> blocks = jnp.zeros((2, 4, 1, 1), jnp.float8_e4m3fn)             # head_dim / 16 scales
+    >>> kc, vc, kb, vb = fp8kv_jax.write_kv(x, x, codes, codes, jnp.array([5]),
+    ...                                     key_scale_cache=blocks, value_scale_cache=blocks,
+    ...                                     cache_format="nvfp4")
+    >>> kb[1, 1, 0].astype(jnp.float32).tolist(), [hex(b) for b in kc[1, 1, 0, :3].tolist()]
+    ([1.0], ['0xff', '0xee', '0xcd'])
+    >>> k, v, table = fp8kv_jax.dequantize_pages(kc, vc, jnp.array([[1]]), key_scale_cache=kb,
+    ...                                          value_scale_cache=vb, cache_format="nvfp4",
+    ...                                          dtype=jnp.float32)
+    >>> k[0, 1, 0, :8].tolist()
+    [-6.0, -6.0, -4.0, -4.0, -3.0, -2.0, -1.0, -0.5]
     """
     return _write(dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                        slots=slots),

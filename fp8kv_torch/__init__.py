@@ -125,6 +125,17 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     >>> fp8kv_torch.write_kv(key, key, k_cache, v_cache, torch.tensor([5]), key_scale=0.5)
     >>> k_cache[1, 1, 0].float().tolist()
     [2.0, -4.0, 448.0, 0.625]
+
+    NVFP4: 16 elements, one block; its amax 6 gives the block scale 1.0 (6 / 6).
+
+    >>> x = torch.linspace(-6, 6, 16).reshape(1, 1, 16)                 # head_dim 16
+    >>> codes = torch.zeros(2, 4, 1, 8, dtype=torch.uint8)              # head_dim / 2 bytes
+    >>> blocks = torch.zeros(2, 4, 1, 1, dtype=torch.float8_e4m3fn)     # head_dim / 16 scales
+    >>> fp8kv_torch.write_kv(x, x, codes, codes.clone(), torch.tensor([5]),
+    ...                      key_scale_cache=blocks, value_scale_cache=blocks.clone(),
+    ...                      cache_format="nvfp4")
+    >>> blocks[1, 1, 0].float().tolist(), [hex(b) for b in codes[1, 1, 0, :3].tolist()]
+    ([1.0], ['0xff', '0xee', '0xcd'])
     """
     _write(key, value, (key_cache, value_cache), slots, key_scale, value_scale, layout,
            fp8_format, key_scale_cache, value_scale_cache, scale_rounding, check_bounds,
@@ -271,6 +282,22 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
     >>> k, v, table = fp8kv_torch.dequantize_pages(cache, cache, table, key_scale=0.5)
     >>> k[:, 0, 0].tolist(), table.tolist()
     ([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], [[0, 1]])
+
+    NVFP4 codes (two per byte, low nibble first) with block scale 2.0 (e4m3 0x40), as bf16 and as
+    an FP8 workspace with ``out_scale`` 0.5:
+
+    >>> codes = torch.full((1, 1, 1, 8), 0x9A, dtype=torch.uint8)     # 0xA: -1.0, 0x9: -0.5
+    >>> blocks = torch.full((1, 1, 1, 1), 0x40, dtype=torch.uint8)
+    >>> table = torch.tensor([[0]], dtype=torch.int32)
+    >>> k, _, _ = fp8kv_torch.dequantize_pages(codes, codes, table, key_scale_cache=blocks,
+    ...                                         value_scale_cache=blocks, cache_format="nvfp4")
+    >>> k[0, 0, 0, :4].tolist()
+    [-2.0, -1.0, -2.0, -1.0]
+    >>> k, _, _ = fp8kv_torch.dequantize_pages(codes, codes, table, key_scale_cache=blocks,
+    ...                                         value_scale_cache=blocks, cache_format="nvfp4",
+    ...                                         dtype=torch.float8_e4m3fn, out_scale=0.5)
+    >>> k[0, 0, 0, :2].float().tolist()
+    [-4.0, -2.0]
     """
     return _dequantize((key_cache, value_cache), block_table, key_scale, value_scale, dtype,
                        layout, fp8_format, null_page, out, key_scale_cache, value_scale_cache,

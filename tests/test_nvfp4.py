@@ -1,16 +1,14 @@
-"""NVFP4 caches (docs/SPEC.md section 12): every path against fp8kv.reference, byte for byte.
+"""NVFP4 caches (docs/SPEC.md section 12), torch: every path against fp8kv.reference, byte for
+byte.
 
-The rule by hand (E2M1 codes and boundaries, special blocks, special global scales); the kernels
-through the interpreter (compiled too in the GPU suite) on poisoned caches and block-scale arrays
-in both layouts and rank 3, combined caches, padding and out-of-range slots and table entries;
-dequantization to bf16/fp16/fp32 and to an FP8 workspace; argument errors (nothing written); the
-custom ops; JAX (jnp path, GPU launch glue in the interpreter, donation). The GPU suite also
-compares the reciprocal (fast) path with the exact one on every bf16 and fp16 pattern.
+The kernels through the interpreter (compiled too in the GPU suite) on poisoned caches and
+block-scale arrays in both layouts and rank 3, combined caches, padding and out-of-range slots and
+table entries; dequantization to bf16/fp16/fp32 and to an FP8 workspace; argument errors (nothing
+written); the custom ops; torch and JAX writing the same bytes. The GPU suite also compares the
+reciprocal (fast) path with the exact one on every bf16 and fp16 pattern. The rule by hand is
+tests/test_reference_nvfp4.py, the JAX frontend tests/test_nvfp4_jax.py.
 """
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -19,124 +17,11 @@ torch = pytest.importorskip("torch")
 
 from tests.cases import as_uint, random_values  # noqa: E402
 from tests.helpers import bits, requires_cuda, to_torch  # noqa: E402
+from tests.nvfp4_cases import CASES, E2M1, NvCase, inputs, ref_write  # noqa: E402
 from fp8kv import reference as ref  # noqa: E402
 from fp8kv.reference import np_dtype  # noqa: E402
 import fp8kv_torch  # noqa: E402
 from fp8kv_torch import _launch  # noqa: E402
-
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]   # written out here, not taken from the code
-
-
-@dataclass(frozen=True)
-class NvCase:
-    tokens: int = 5
-    heads: int = 3
-    head_dim: int = 64
-    page_size: int = 4
-    layout: str = "NHD"        # "NHD" | "HND" | "3D" ([num_slots, H, D/2])
-    dtype: str = "bfloat16"
-    scale: str = "float"       # global scale: "none" | "float" | "tensor" | "head"
-    blocks: str = "e4m3"       # block-scale arrays: "e4m3" (float8_e4m3fn) | "uint8"
-
-    @property
-    def id(self):
-        page = "" if self.layout == "3D" else f"-P{self.page_size}"
-        return (f"T{self.tokens}-H{self.heads}-D{self.head_dim}{page}-{self.layout}-{self.dtype}-"
-                f"s{self.scale}-{self.blocks}")
-
-    @property
-    def api_layout(self):
-        return "NHD" if self.layout == "3D" else self.layout
-
-    @property
-    def pages(self):
-        return -(-self.tokens // (1 if self.layout == "3D" else self.page_size)) + 2
-
-    @property
-    def num_slots(self):
-        return self.pages * (1 if self.layout == "3D" else self.page_size)
-
-    def shape(self, width):
-        if self.layout == "3D":
-            return (self.pages, self.heads, width)
-        if self.layout == "NHD":
-            return (self.pages, self.page_size, self.heads, width)
-        return (self.pages, self.heads, self.page_size, width)
-
-    @property
-    def cache_shape(self):
-        return self.shape(self.head_dim // 2)
-
-    @property
-    def block_shape(self):
-        return self.shape(self.head_dim // 16)
-
-    @property
-    def block_dtype(self):
-        return "float8_e4m3fn" if self.blocks == "e4m3" else "uint8"
-
-
-CASES = [
-    NvCase(),
-    NvCase(tokens=3, heads=1, head_dim=16, page_size=1, scale="none", blocks="uint8"),
-    NvCase(tokens=6, heads=6, head_dim=80, page_size=16, layout="HND", dtype="float16",
-           scale="head"),
-    NvCase(tokens=4, heads=2, head_dim=128, layout="3D", dtype="float32", scale="tensor"),
-    NvCase(tokens=4, heads=1, head_dim=256, page_size=16, layout="HND", blocks="uint8"),
-    NvCase(tokens=9, heads=8, head_dim=128, page_size=16, scale="head"),
-]
-
-
-def global_scale(kind, heads, rng):
-    """(what the API gets, what the reference gets): None, a float or a float32 array."""
-    if kind == "none":
-        return None
-    if kind == "float":
-        return 0.0213
-    if kind == "tensor":
-        return np.array(0.0625, np.float32)
-    return (rng.random(heads) * 0.1 + 0.004).astype(np.float32)
-
-
-def special_blocks(x, head_dim):
-    """Blocks of token 0 (and 1) with the rule's special cases, scaled like their neighbours."""
-    flat = x.reshape(x.shape[0], -1, 16)
-    ties = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
-    specials = [np.zeros(16), np.concatenate([ties, -ties]) / 3,
-                np.where(np.arange(16) % 3 == 0, np.nan, 1.0),
-                np.full(16, np.nan), np.where(np.arange(16) == 5, -np.inf, 0.5),
-                np.full(16, -3e-39), np.concatenate([[-0.0] * 8, [0.0] * 8])]
-    for i, block in enumerate(specials[: flat.shape[1]]):
-        flat[0, i] = np.asarray(block, np.float32).astype(x.dtype)
-    if x.shape[0] > 1:
-        flat[1] = (flat[1].astype(np.float32) * np.float32(2.0 ** -30)).astype(x.dtype)
-    return flat.reshape(x.shape)
-
-
-def inputs(case: NvCase, seed=0, specials=True):
-    rng = np.random.default_rng(seed)
-    shape = (case.tokens, case.heads, case.head_dim)
-    k, v = (random_values(rng, shape, case.dtype) for _ in range(2))
-    if specials:
-        k = special_blocks(k, case.head_dim)
-    slots = rng.permutation(case.num_slots)[: case.tokens].astype(np.int64)
-    if case.tokens > 2:
-        slots[2] = -1                          # padding
-    if case.tokens > 3:
-        slots[3] = case.num_slots + 3          # out of range
-    caches = [rng.integers(0, 256, size=case.cache_shape, dtype=np.uint8) for _ in range(2)]
-    blocks = [rng.integers(0, 256, size=case.block_shape, dtype=np.uint8).view(
-        np_dtype(case.block_dtype)) for _ in range(2)]
-    return dict(key=k, value=v, key_cache=caches[0], value_cache=caches[1], slots=slots,
-                key_scale=global_scale(case.scale, case.heads, rng),
-                value_scale=global_scale("float" if case.scale == "none" else case.scale,
-                                         case.heads, rng),
-                key_scale_cache=blocks[0], value_scale_cache=blocks[1])
-
-
-def ref_write(case, x):
-    return ref.write_kv(**x, layout=case.api_layout, cache_format="nvfp4")
-
 
 def _t(a, device):
     return a if a is None or isinstance(a, (float, str)) else to_torch(a, device)
@@ -164,83 +49,6 @@ def assert_same(got, want):
     assert len(got) == len(want)
     for g, w in zip(got, want):   # whole arrays: untouched poison bytes compared too
         np.testing.assert_array_equal(_bits(g), _bits(w))
-
-
-# ---------------------------------------------------------------------------------------------
-# The rule by hand.
-
-def test_every_code_pair_decodes():
-    codes = np.arange(256, dtype=np.uint8)
-    want = [[(-1.0 if c & 8 else 1.0) * E2M1[c & 7] for c in (b & 0xF, b >> 4)] for b in range(256)]
-    got = ref.e2m1_values(codes).reshape(256, 2)
-    np.testing.assert_array_equal(as_uint(got), as_uint(np.float32(want)))
-    assert as_uint(got[0x08, 0]) == 0x80000000    # 0x8 is -0.0
-
-
-def boundary_code(a):
-    """The magnitude code as the number of boundaries passed (SPEC 12.1's table)."""
-    a = np.asarray(a, np.float32)
-    return sum(((a >= b) if up else (a > b)).astype(np.uint8) for b, up in
-               ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
-                (3.5, True), (5.0, False)))
-
-
-def test_e2m1_rounding_nearest_ties_to_even_saturating():
-    points = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] + E2M1 + [7.0, 1e30, np.inf])
-    neighbours = np.concatenate([points, np.nextafter(points, np.float32(0)),
-                                 np.nextafter(points, np.float32(np.inf))]).astype(np.float32)
-    rng = np.random.default_rng(1)
-    sample = (rng.random(20000) * 8).astype(np.float32)
-    for a in (neighbours, sample):
-        np.testing.assert_array_equal(ref.e2m1_magnitude(a), boundary_code(a))
-    assert ref.e2m1_magnitude(np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])).tolist() == [
-        0, 2, 2, 4, 4, 6, 6]
-
-
-def _one_block(values, g=None):
-    codes, sf = ref.quantize_nvfp4(np.float32(values).reshape(1, 16), g)
-    nibbles = np.stack([codes & 0xF, codes >> 4], -1).reshape(16)
-    return nibbles.tolist(), int(sf[0, 0])
-
-
-def test_reference_special_blocks():
-    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]
-    # amax 6, g 1: sf = e4m3(1.0) = 0x38, d = 1: the ties land on the boundaries.
-    assert _one_block(ties + [-t for t in ties]) == ([0, 2, 2, 4, 4, 6, 6, 7,
-                                                     8, 10, 10, 12, 12, 14, 14, 15], 0x38)
-    assert _one_block([0.0] * 16) == ([0] * 16, 0x00)                 # d = 0: all 0x0
-    assert _one_block([-0.0] * 16) == ([0] * 16, 0x00)                # not 0x8: d = 0
-    assert _one_block([np.nan] * 16) == ([0] * 16, 0x00)              # amax 0 (NaN as 0)
-    codes, sf = _one_block([np.nan, -6.0] + [-0.0] * 14)              # NaN -> 0x0, -0 -> 0x8
-    assert (codes, sf) == ([0, 15] + [8] * 14, 0x38)
-    codes, sf = _one_block([np.inf, -np.inf, 1.0, -1.0] + [0.0] * 12)  # amax inf -> 448
-    assert (codes, sf) == ([7, 15, 0, 8] + [0] * 12, 0x7E)
-    # A block far below the global scale: sf rounds to 0, d = 0, codes 0 (sign dropped).
-    assert _one_block([-1e-6] * 16, np.float32(1.0)) == ([0] * 16, 0x00)
-
-
-def test_reference_special_global_scales():
-    """SPEC 12.2's table: g = +0, +inf, NaN, negative."""
-    rng = np.random.default_rng(2)
-    x = random_values(rng, (4, 1, 64), "float32", specials=False)
-    x[0, 0, :16] = 0.0
-    x[1, 0, 16] = np.inf
-    for g, codes_zero, sf_bytes in ((0.0, True, {0x7E, 0x7F}), (np.inf, True, {0x00, 0x7F}),
-                                    (np.nan, True, {0x7F})):
-        codes, sf = ref.quantize_nvfp4(x, np.float32(g))
-        assert codes_zero and not codes.any(), g
-        assert set(np.unique(sf).tolist()) == sf_bytes, g
-        values = ref.dequantize_nvfp4(codes, sf, np.float32(g), "float32")
-        if g == 0.0:
-            assert (np.isnan(values) == np.repeat(sf == 0x7F, 16, axis=-1)).all()
-            assert (values[~np.isnan(values)] == 0).all()
-        else:
-            assert np.isnan(values).all()
-    pos, neg = ref.quantize_nvfp4(x, np.float32(0.37)), ref.quantize_nvfp4(x, np.float32(-0.37))
-    np.testing.assert_array_equal(neg[0], pos[0])
-    np.testing.assert_array_equal(neg[1], pos[1] | 0x80)
-    np.testing.assert_array_equal(ref.dequantize_nvfp4(*neg, np.float32(-0.37), "float32"),
-                                  ref.dequantize_nvfp4(*pos, np.float32(0.37), "float32"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,23 +287,6 @@ def test_dequantize_errors(name, args, exc, match):
         fp8kv_torch.dequantize_pages(**args)
 
 
-def test_jax_raises_the_same_errors():
-    jnp = pytest.importorskip("jax.numpy")
-    import fp8kv_jax
-    k = jnp.zeros((T, H, 40), jnp.bfloat16)
-    cache = jnp.zeros((P, S, H, 20), jnp.uint8)
-    blocks = jnp.zeros((P, S, H, 2), jnp.uint8)
-    with pytest.raises(ValueError, match=r"key: expected a head_dim that is a multiple of 16"):
-        fp8kv_jax.write_kv(k, k, cache, cache, jnp.arange(T), key_scale_cache=blocks,
-                           value_scale_cache=blocks, cache_format="nvfp4")
-    cache = jnp.zeros((P, S, H, 32), jnp.uint8)
-    with pytest.raises(ValueError, match=r"out_scale: expected None unless dtype is float8_e4m3fn"):
-        fp8kv_jax.dequantize_pages(cache, cache, jnp.zeros((1, 1), jnp.int32),
-                                   key_scale_cache=jnp.zeros((P, S, H, 4), jnp.uint8),
-                                   value_scale_cache=jnp.zeros((P, S, H, 4), jnp.uint8),
-                                   cache_format="nvfp4", out_scale=2.0)
-
-
 # ---------------------------------------------------------------------------------------------
 # torch.library custom ops: opcheck and torch.compile.
 
@@ -544,67 +335,19 @@ def test_torch_compile_fullgraph(device):
     assert_same([bits(k), bits(v)], [rk, rv])
 
 
-# ---------------------------------------------------------------------------------------------
-# JAX: the jnp path and the GPU launch glue (interpreter stand-in) give the reference's bytes.
-
-JAX_CASES = [CASES[0], CASES[2], CASES[3]]
-
-
-def _jax_round_trip(case, x):
+def test_torch_and_jax_write_the_same_bytes():
+    jax = pytest.importorskip("jax")
     import jax.numpy as jnp
     import fp8kv_jax
-    scales = {n: (jnp.asarray(x[n]) if isinstance(x[n], np.ndarray) else x[n])
-              for n in ("key_scale", "value_scale")}
-    got = fp8kv_jax.write_kv(x["key"], x["value"], x["key_cache"], x["value_cache"],
-                             x["slots"].astype(np.int32), **scales, layout=case.api_layout,
-                             key_scale_cache=x["key_scale_cache"],
-                             value_scale_cache=x["value_scale_cache"], cache_format="nvfp4")
-    want = ref_write(case, x)
-    assert_same(got, want)
-    table = np.array([[1, -1, 0]], np.int32)
-    for out, out_scale in (("bfloat16", None), ("float8_e4m3fn", 0.25)):
-        pages = fp8kv_jax.dequantize_pages(*got[:2], table, **scales, layout=case.api_layout,
-                                           key_scale_cache=got[2], value_scale_cache=got[3],
-                                           cache_format="nvfp4", dtype=out, out_scale=out_scale)
-        assert_same(pages, ref.dequantize_pages(
-            *want[:2], table, x["key_scale"], x["value_scale"], layout=case.api_layout,
-            key_scale_cache=want[2], value_scale_cache=want[3], cache_format="nvfp4", dtype=out,
-            out_scale=out_scale))
-    return got
-
-
-@pytest.mark.parametrize("case", JAX_CASES, ids=lambda c: c.id)
-def test_jax_jnp_and_torch_same_bytes(case):
-    jax = pytest.importorskip("jax")
+    case = CASES[2]
     x = inputs(case)
     with jax.default_device(jax.devices("cpu")[0]):
-        got = _jax_round_trip(case, x)
+        got = fp8kv_jax.write_kv(x["key"], x["value"], x["key_cache"], x["value_cache"],
+                                 x["slots"].astype(np.int32), jnp.asarray(x["key_scale"]),
+                                 jnp.asarray(x["value_scale"]), layout=case.api_layout,
+                                 key_scale_cache=x["key_scale_cache"],
+                                 value_scale_cache=x["value_scale_cache"], cache_format="nvfp4")
     assert_same(got, torch_write(case, x, "cpu"))
-
-
-@pytest.mark.parametrize("case", JAX_CASES[:2], ids=lambda c: c.id)
-def test_jax_gpu_launch_in_interpreter(case, monkeypatch):
-    jax = pytest.importorskip("jax")
-    from tests.jax_glue import use_interpreted_gpu_path
-    use_interpreted_gpu_path(monkeypatch)
-    with jax.default_device(jax.devices("cpu")[0]):
-        _jax_round_trip(case, inputs(case))
-
-
-def test_jax_donated_caches_under_jit():
-    jax = pytest.importorskip("jax")
-    import fp8kv_jax
-    case = NvCase(tokens=4, heads=2, head_dim=32, page_size=4)
-    x = inputs(case)
-    want = ref_write(case, x)
-    step = jax.jit(functools.partial(fp8kv_jax.write_kv, cache_format="nvfp4"),
-                   donate_argnames=("key_cache", "value_cache", "key_scale_cache",
-                                    "value_scale_cache"))
-    with jax.default_device(jax.devices("cpu")[0]):
-        got = step(x["key"], x["value"], x["key_cache"], x["value_cache"],
-                   x["slots"].astype(np.int32), x["key_scale"], x["value_scale"],
-                   key_scale_cache=x["key_scale_cache"], value_scale_cache=x["value_scale_cache"])
-    assert_same(got, want)
 
 
 # ---------------------------------------------------------------------------------------------
