@@ -419,21 +419,28 @@ def encode_e2m1(q, sign_mask):
 
 @jit
 def nvfp4_values(codes, sv, g, SCALED: tl.constexpr):
-    """fp32 ``(e2m1(codes) * sv) * g`` (``SCALED``; else ``e2m1(codes) * sv``), exact bits.
+    """fp32 ``(e2m1 * sv) * g`` (``SCALED``; else ``e2m1 * sv``) of both codes of each byte of
+    ``codes`` (int32 0..255): ``(low nibble's, high nibble's)``, exact bits. ``sv``: the block's
+    e4m3 value, ``g``: the global scale, both broadcastable.
 
-    ``codes``: int32 4-bit codes; ``sv``: their block's e4m3 value, ``g`` the global scale, both
-    broadcastable. A code's magnitude bits placed at bit 9 of an fp16 (sign at bit 15) give the
-    fp16 with exponent field ``m >> 1`` and top mantissa bit ``m & 1``: ``e2m1(m) * 2**-14``, the
-    subnormal ``0.5 * 2**-14`` for ``m = 1`` included (fp16 and E2M1 both have subnormals at
-    exponent field 0). Widening it to fp32 is exact (and a normal fp32, so that no flush to zero
-    can touch it); times ``sv * 2**14`` it is the exact ``e2m1 * sv`` (6 significant bits,
+    A code's magnitude bits at bit 9 of an fp16, its sign at bit 15, make the fp16 with exponent
+    field ``m >> 1`` and top mantissa bit ``m & 1``: ``e2m1(m) * 2**-14`` (for ``m = 1`` the
+    subnormal ``0.5 * 2**-14``: fp16 and E2M1 both have subnormals at exponent field 0). Both
+    codes of a byte become one word of two fp16 with three integer operations: ``u = b * 4097``
+    holds the byte twice (bits 0-7 and 12-19), and ``u << 9`` / ``u << 12`` bring each nibble's
+    magnitude / sign bits to their fp16 places. Widening to fp32 is exact (and normal, so no flush
+    to zero touches it); times ``sv * 2**14`` it is the exact ``e2m1 * sv`` (6 significant bits,
     normal), which the product with ``g`` rounds once. IEEE signs throughout.
     """
-    half = ((codes & E2M1_MAX_CODE) << 9) | ((codes & 8) << 12)
-    v = half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * (sv * 16384.0)
+    u = codes * 4097
+    halves = ((u << 9) & 0x0E000E00) | ((u << 12) & -0x7FFF8000)   # int32 0x80008000
+    scale = sv * 16384.0
+    lo = (halves & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    hi = ((halves >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
     if SCALED:
-        v = v * g
-    return v
+        lo = lo * g
+        hi = hi * g
+    return lo, hi
 
 
 @jit
@@ -453,3 +460,16 @@ def divide_by_scalar(x, s, y, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
         else:
             q = divide(x, s, y, EXACT, RECIPROCAL)
     return q
+
+
+@jit
+def encode_bytes(y, FORMAT: tl.constexpr, EXACT: tl.constexpr):
+    """:func:`encode` as uint8 bytes (FP8 formats): on the fast path straight from the hardware
+    conversion, without :func:`encode`'s int32 codes (which a store of bytes would repack)."""
+    if EXACT:
+        code = encode(y, FORMAT, EXACT).to(tl.uint8)
+    elif FORMAT == FMT_E5M2:
+        code = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return code

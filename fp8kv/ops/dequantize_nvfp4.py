@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ._dual import jit
 from .codec import (FMT_E4M3, NVFP4_BLOCK, OUT_FLOAT32, OUT_FLOAT8_E4M3FN, SCALE_HEAD, SCALE_NONE,
-                    decode, divide_by_scalar, encode, fp32_to_output_bits, load_scale, nvfp4_values,
+                    decode, divide_by_scalar, encode_bytes, fp32_to_output_bits, load_scale, nvfp4_values,
                     scalar_reciprocal, scalar_scale)
 
 
@@ -57,19 +57,21 @@ def _dequantize_side(codes_ptr, blocks_ptr, out_ptr, scale_ptr, scale_value, out
             g = load_scale(scale_ptr, scale_value, head, r_mask, KIND)[:, None, None]
         else:
             g = scalar_scale(scale_ptr, scale_value, KIND)
-        # Element 2i is the low nibble: join (lo, hi) pairs and read them in order.
-        nibbles = tl.reshape(tl.join(codes & 0xF, codes >> 4), (ROWS, BLOCKS, NVFP4_BLOCK))
-        v = tl.reshape(nvfp4_values(nibbles, sv, g, SCALED=KIND != SCALE_NONE), (ROWS, BLOCK_D))
+        # Each block's 8 bytes; element 2i is the low nibble: join (lo, hi) and read in order.
+        lo, hi = nvfp4_values(tl.reshape(codes, (ROWS, BLOCKS, NVFP4_BLOCK // 2)), sv, g,
+                              SCALED=KIND != SCALE_NONE)
+        v = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_D))
         if OUT_KIND == OUT_FLOAT8_E4M3FN:
             if OUT_SCALE != SCALE_NONE:
                 v = divide_by_scalar(v, out_scale, out_reciprocal, EXACT, RECIPROCAL_DIV)
-            bits = encode(v, FMT_E4M3, EXACT)
+            # Bytes straight from the conversion: no int32 round trip to unpack and repack.
+            bits = encode_bytes(v, FMT_E4M3, EXACT)
         else:
-            bits = fp32_to_output_bits(v, OUT_KIND, EXACT)
+            bits = fp32_to_output_bits(v, OUT_KIND, EXACT).to(out_ptr.dtype.element_ty)
     else:
-        bits = tl.full((ROWS, BLOCK_D), 0, tl.int32)
+        bits = tl.full((ROWS, BLOCK_D), 0, out_ptr.dtype.element_ty)
     tl.store(out_ptr + (slot * STRIDE_O_SLOT + head * STRIDE_O_HEAD)[:, None] + d[None, :],
-             bits.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & (d < HEAD_DIM)[None, :])
+             bits, mask=r_mask[:, None] & (d < HEAD_DIM)[None, :])
 
 
 @jit(do_not_specialize=["pages_per_seq"])
