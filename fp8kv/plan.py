@@ -41,13 +41,15 @@ DEQUANT_SIZES = {
     INTERPRET: dict(block=1 << 16, num_warps=1),
 }
 # NVFP4 (docs/SPEC.md section 12; kernels write_nvfp4 / dequantize_nvfp4). write: elements of
-# whole rows per program and side (tile) and warps; 2,048 elements over 2 warps give each thread
-# 32 consecutive elements, i.e. 16 bytes of codes to store. Batches of up to small_batch_elems
-# row elements take the small_* entries (latency: more warps, shorter chains). loads_first:
-# both sides' loads before the first amax. dequantize: output elements per program and warps.
-# First guesses, to be measured (bench/nvfp4.py has the variants).
+# whole rows per program and side (tile) and warps. A thread holds one group of 32 consecutive
+# elements per side (two blocks; 16 bytes of codes to store), so tile = 1,024 x warps maps one
+# group to each thread: 2,048 over 2 warps for large batches, 1,024 over 1 warp (one 8 x 128
+# token) for batches of up to small_batch_elems row elements. loads_first: both sides' loads
+# before the first amax. dequantize: output elements per program and warps. SASS of the default
+# write: ~24 instructions per element on the reciprocal path; first guesses, to be measured
+# (bench/nvfp4.py has the variants).
 NVFP4_WRITE_SIZES = {
-    CUDA: dict(tile=2048, num_warps=2, small_tile=1024, small_batch_warps=4,
+    CUDA: dict(tile=2048, num_warps=2, small_tile=1024, small_batch_warps=1,
                small_batch_elems=1 << 18, loads_first=True),
     INTERPRET: dict(tile=1 << 16, num_warps=1, small_tile=1 << 16, small_batch_warps=1,
                     small_batch_elems=0, loads_first=True),

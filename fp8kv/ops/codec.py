@@ -5,6 +5,12 @@ and scale kinds as ``*_SCALE`` / ``*_DYNAMIC`` constexprs (:class:`fp8kv.modes.S
 every branch on them is here, by equality. A new format adds its branch to :func:`encode` and
 :func:`decode` (and its largest value to :func:`dynamic_scale`).
 
+NVFP4 (a format with block scales) has kernels of its own (``write_nvfp4``, ``dequantize_nvfp4``),
+so no ``FORMAT`` branch: its 4-bit codes depend on their block (the block scale, a sign mask) and
+come in pairs per byte, which :func:`encode` / :func:`decode`'s one-code-per-element form cannot
+say. Its helpers are at the end of this module: the block scales, the division by them, E2M1
+encoding (one implementation: fp32 arithmetic, exact on every path) and decoding.
+
 Each conversion has two implementations selected by the ``EXACT`` constexpr:
 
 * fast  -- the hardware conversions (``cvt.rn.satfinite`` to fp8, ``cvt.rn`` to bf16/fp16);
@@ -23,7 +29,6 @@ from ._dual import jit
 # Every number below comes from fp8kv.formats / fp8kv.modes: kernels see them as constexpr globals.
 FMT_E4M3: tl.constexpr = tl.constexpr(formats.E4M3.id)
 FMT_E5M2: tl.constexpr = tl.constexpr(formats.E5M2.id)
-FMT_NVFP4: tl.constexpr = tl.constexpr(formats.NVFP4.id)
 SCALE_NONE: tl.constexpr = tl.constexpr(ScaleKind.NONE.id)
 SCALE_VALUE: tl.constexpr = tl.constexpr(ScaleKind.VALUE.id)
 SCALE_TENSOR: tl.constexpr = tl.constexpr(ScaleKind.TENSOR.id)
