@@ -1,4 +1,5 @@
-"""Attention accuracy of an FP8 KV cache under each scale scheme (NumPy, CPU, a few seconds).
+"""Attention accuracy of an FP8 (or NVFP4) KV cache under each scale scheme (NumPy, CPU, a few
+seconds).
 
 ``python -m bench.accuracy [--out DIR]`` or ``bench.accuracy.run(out_dir)``: writes
 ``accuracy.csv`` and ``accuracy.png`` to the directory and returns the rows.
@@ -21,6 +22,12 @@ The static calibrated scales are computed with :func:`fp8kv.reference.dynamic_sc
 whole tensor (or head) as one group, so every scheme follows the same rule (fp32 division, the
 1e-6 floor, and ``pow2``: rounded up to a power of two).
 
+NVFP4 (``nvfp4`` rows, docs/SPEC.md section 13): E2M1 codes with an e4m3 scale per 16 elements
+computed at write time; its scheme is the global scale: ``tensor-unit`` (1.0), ``tensor`` (amax
+of the whole context / (6 x 448), the calibration FlashInfer's tests use) or ``head`` (the same
+per kv head). Its block scales cost 1 byte per 16 elements (``scale_bytes_per_token``), and its
+codes half the bytes of FP8's.
+
 K/V: Gaussian with per-channel and per-token magnitude spread ("plain"), and the same with
 outlier channels ("outliers"): in each kv head, 4 key channels 20-100x larger and 1 value
 channel 20x larger, as seen in real models' keys. Queries are Gaussian, scaled so that the logits
@@ -41,7 +48,7 @@ from fp8kv.formats import FORMATS
 CONTEXTS = (128, 8192)
 Q_HEADS, KV_HEADS, HEAD_DIM, NUM_QUERIES, PAGE_SIZE = 8, 2, 128, 16, 16
 LOGIT_STD = 3.0
-FORMAT_NAMES = ("e4m3", "e5m2")
+FORMAT_NAMES = ("e4m3", "e5m2", "nvfp4")
 KV_KINDS = ("plain", "outliers")
 # (scheme, rounding) in plot order
 SCHEMES = (("tensor-unit", "-"), ("tensor", "exact"), ("tensor", "pow2"), ("head", "exact"),
@@ -49,6 +56,9 @@ SCHEMES = (("tensor-unit", "-"), ("tensor", "exact"), ("tensor", "pow2"), ("head
            ("token-head", "pow2"))
 # fp32 side-cache bytes per token, for K (the same again for V)
 SCALE_BYTES = {"token": 4, "token-head": 4 * KV_HEADS}
+# NVFP4: the global scale is the scheme; e4m3 block scales come with every scheme.
+NVFP4_SCHEMES = (("tensor-unit", "-"), ("tensor", "exact"), ("head", "exact"))
+NVFP4_BLOCK_BYTES = KV_HEADS * HEAD_DIM // 16
 COLUMNS = ("context", "kv", "fmt", "scheme", "rounding", "attn_rel_l2", "attn_max_abs",
            "k_rel_l2", "v_rel_l2", "scale_bytes_per_token")
 
@@ -104,8 +114,38 @@ def static_scale(x, fmt: str, scheme: str, rounding: str):
     return ref.dynamic_scales(per_head, fmt, "token", rounding)
 
 
+def nvfp4_global_scale(x, scheme: str):
+    """The global scale of an nvfp4 side: None (unit), amax / (6 * 448) of the whole tensor, or
+    ``[H]`` per kv head (fp32 division)."""
+    if scheme == "tensor-unit":
+        return None
+    a = np.abs(x.astype(np.float32))
+    amax = a.max() if scheme == "tensor" else a.max(axis=(0, 2))
+    return (np.asarray(amax, np.float32) / np.float32(6 * 448)).astype(np.float32)
+
+
+def roundtrip_nvfp4(k, v, scheme: str):
+    """K/V written into an nvfp4 paged cache and read back as bf16 ``[T, H, D]``."""
+    context = k.shape[0]
+    pages = -(-context // PAGE_SIZE)
+    shape = (pages, PAGE_SIZE, KV_HEADS)
+    cache = np.zeros(shape + (HEAD_DIM // 2,), np.uint8)
+    blocks = np.zeros(shape + (HEAD_DIM // 16,), np.uint8)
+    g_k, g_v = nvfp4_global_scale(k, scheme), nvfp4_global_scale(v, scheme)
+    kc, vc, kb, vb = ref.write_kv(k, v, cache, cache, np.arange(context), g_k, g_v,
+                                  key_scale_cache=blocks, value_scale_cache=blocks,
+                                  cache_format="nvfp4")
+    kp, vp, _ = ref.dequantize_pages(kc, vc, np.arange(pages, dtype=np.int32)[None], g_k, g_v,
+                                     key_scale_cache=kb, value_scale_cache=vb,
+                                     cache_format="nvfp4")
+    flat = (pages * PAGE_SIZE, KV_HEADS, HEAD_DIM)
+    return kp.reshape(flat)[:context], vp.reshape(flat)[:context]
+
+
 def roundtrip(k, v, fmt: str, scheme: str, rounding: str):
     """K/V written into a paged cache under the scheme and read back as bf16 ``[T, H, D]``."""
+    if fmt == "nvfp4":
+        return roundtrip_nvfp4(k, v, scheme)
     context = k.shape[0]
     pages = -(-context // PAGE_SIZE)
     cache = np.zeros((pages, PAGE_SIZE, KV_HEADS, HEAD_DIM), ref.np_dtype(FORMATS[fmt].dtype))
@@ -137,7 +177,7 @@ def measure() -> list[dict]:
             q, k, v = make_inputs(context, kind)
             golden = attention(q, k, v)
             for fmt in FORMAT_NAMES:
-                for scheme, rounding in SCHEMES:
+                for scheme, rounding in (NVFP4_SCHEMES if fmt == "nvfp4" else SCHEMES):
                     kd, vd = roundtrip(k, v, fmt, scheme, "exact" if rounding == "-" else rounding)
                     out = attention(q, kd, vd)
                     err = np.abs(out.astype(np.float64) - golden)
@@ -146,7 +186,8 @@ def measure() -> list[dict]:
                         attn_rel_l2=_rel_l2(out, golden),
                         attn_max_abs=float(err.max()) if np.isfinite(err).all() else float("inf"),
                         k_rel_l2=_rel_l2(kd, k), v_rel_l2=_rel_l2(vd, v),
-                        scale_bytes_per_token=SCALE_BYTES.get(scheme, 0)))
+                        scale_bytes_per_token=(NVFP4_BLOCK_BYTES if fmt == "nvfp4"
+                                               else SCALE_BYTES.get(scheme, 0))))
     return rows
 
 
@@ -180,7 +221,9 @@ def plot(rows, path: pathlib.Path) -> None:
                               (axes[1], "attn_max_abs", "attention output: max abs error")):
         for i, label in enumerate(labels):
             xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(groups))]
-            ys = [value[g + (label,)][metric] for g in groups]
+            # NaN (no bar) where a format has no such scheme (nvfp4: no token scales)
+            ys = [value[g + (label,)][metric] if g + (label,) in value else float("nan")
+                  for g in groups]
             ax.bar(xs, ys, width, label=label, color=colors[i % len(colors)],
                    hatch="//" if "pow2" in label else None, edgecolor="white", linewidth=0.3)
         ax.set_yscale("log")
@@ -190,7 +233,7 @@ def plot(rows, path: pathlib.Path) -> None:
                        fontsize=8)
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
-    fig.suptitle(f"FP8 KV cache vs bf16 K/V: decode attention, {Q_HEADS} query heads / "
+    fig.suptitle(f"FP8 / NVFP4 KV cache vs bf16 K/V: decode attention, {Q_HEADS} query heads / "
                  f"{KV_HEADS} kv heads, head_dim {HEAD_DIM}, {NUM_QUERIES} queries")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)

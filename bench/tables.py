@@ -50,6 +50,9 @@ ENTRIES = (
     Entry("rope", "rope:table_rope", "torch",
           about="fused RoPE + FP8 write (rope_write_kv) against an in-place Triton RoPE then "
                 "write_kv, Llama-3-8B shapes, 1-65,536 tokens"),
+    Entry("nvfp4", "nvfp4:table_nvfp4", "torch",
+          about="NVFP4 caches: the write at 1-65,536 tokens and dequantize to bf16 / an FP8 "
+                "workspace"),
     Entry("dequant", "dequant:table_dequant", "torch",
           about="page dequantization, with fp8kv-jax rows when JAX is usable"),
     Entry("dynamic", "dynamic:table_dynamic", "torch", about="dynamic-scale placements"),

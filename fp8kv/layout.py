@@ -7,7 +7,7 @@ K and the V operand and let the offset find V, so a combined cache needs no kern
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .arrays import ArrayInfo
 
@@ -86,6 +86,13 @@ def pages_shape(cache: PagedCache, layout: str, rank: int, num_entries: int,
     else:
         page = (cache.num_heads, cache.page_size, cache.head_dim)
     return (num_entries, 2) + page if combined else (num_entries,) + page
+
+
+def block_scales_shape(cache: PagedCache, layout: str, rank: int, fmt) -> tuple[int, ...]:
+    """The shape of a block-scale array (nvfp4) of a ``rank`` 3/4 cache of codes: the cache's,
+    with ``head_dim / block_size`` scales per head row (``cache.head_dim`` is in bytes)."""
+    blocks = cache.head_dim * fmt.codes_per_byte // fmt.block_size
+    return pages_shape(replace(cache, head_dim=blocks), layout, rank, cache.num_pages)
 
 
 # ---------------------------------------------------------------------------------------------

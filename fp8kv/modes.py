@@ -21,6 +21,7 @@ class ScaleKind(enum.Enum):
     HEAD = 3         # a device fp32 vector, one scale per kv head
     TOKEN = 4        # dynamic: one scale per written token (over all its kv heads)
     TOKEN_HEAD = 5   # dynamic: one scale per written token and kv head
+    BLOCK = 6        # dynamic: one e4m3 scale per block of a head row (nvfp4), beside a static one
 
     @property
     def id(self) -> int:
@@ -29,7 +30,13 @@ class ScaleKind(enum.Enum):
     @property
     def dynamic(self) -> bool:
         """Computed by ``write_kv`` from the new tokens and stored per slot."""
-        return self in (ScaleKind.TOKEN, ScaleKind.TOKEN_HEAD)
+        return self in (ScaleKind.TOKEN, ScaleKind.TOKEN_HEAD, ScaleKind.BLOCK)
+
+    @property
+    def per_block(self) -> bool:
+        """One stored scale per block of a head row; the side's static scale still applies
+        (the global scale of an nvfp4 cache)."""
+        return self is ScaleKind.BLOCK
 
     @property
     def on_device(self) -> bool:
@@ -38,7 +45,7 @@ class ScaleKind(enum.Enum):
 
     @property
     def per_head(self) -> bool:
-        return self in (ScaleKind.HEAD, ScaleKind.TOKEN_HEAD)
+        return self in (ScaleKind.HEAD, ScaleKind.TOKEN_HEAD, ScaleKind.BLOCK)
 
 
 @dataclass(frozen=True)
@@ -47,8 +54,10 @@ class SideScale:
 
     ``kind``: the static scale (NONE, VALUE, TENSOR or HEAD; ``value`` is VALUE's fp32 number).
     ``dynamic``: NONE, or the granularity of the scales computed at write time and stored per
-    slot (then ``kind`` is NONE); ``stored``: the side array's geometry
-    (:class:`fp8kv.layout.ScaleCache`), None for inline scales or none.
+    slot (then ``kind`` is NONE, except for BLOCK: an nvfp4 side has its global scale in
+    ``kind``/``value`` and its block scales here); ``stored``: the side array's geometry
+    (:class:`fp8kv.layout.ScaleCache`; for BLOCK the block-scale array as a
+    :class:`fp8kv.layout.PagedCache`), None for inline scales or none.
     """
 
     kind: ScaleKind = ScaleKind.NONE
@@ -67,6 +76,7 @@ class OutKind(enum.IntEnum):
     BFLOAT16 = 0
     FLOAT16 = 1
     FLOAT32 = 2
+    FLOAT8_E4M3FN = 3   # nvfp4 caches only: e4m3 codes of the value / out_scale
 
 
 OUT_KIND_OF_DTYPE = {kind.name.lower(): kind for kind in OutKind}   # members named after dtypes

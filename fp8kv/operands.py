@@ -11,8 +11,9 @@ has.
 
 Argument names are the public ones (``key``, ``value``, ``key_cache``, ``value_cache``,
 ``kv_cache``, ``slots``, ``key_scale``, ``value_scale``, ``key_scale_cache``,
-``value_scale_cache``, ``block_table``) plus the dequantize outputs ``key_out``, ``value_out``,
-``kv_out`` and ``table_out``. A combined cache is one argument, ``kv_cache``, read through both
+``value_scale_cache``, ``block_table``, ``out_scale``) plus the dequantize outputs ``key_out``,
+``value_out``, ``kv_out`` and ``table_out``. An nvfp4 side reads its global scale (``key_scale``)
+and its block scales (``key_scale_cache``) through two parameters. A combined cache is one argument, ``kv_cache``, read through both
 cache parameters (the plan's offset finds V) and written through the K output alone.
 """
 from __future__ import annotations
@@ -89,8 +90,61 @@ WRITE_PLACEHOLDER = "slots"
 DEQUANTIZE_PLACEHOLDER = "block_table"
 
 
+def _static_input(side: str, scale: SideScale, placeholder: str) -> Operand:
+    """The global (static) scale parameter of an nvfp4 side."""
+    if scale.kind.on_device:
+        return Operand(f"{side}_scale_ptr", f"{side}_scale")
+    return Operand(f"{side}_scale_ptr", placeholder, used=False)
+
+
+def _block_operands() -> tuple[tuple[Operand, ...], tuple[Operand, ...]]:
+    """Both sides' block-scale arrays: ``(inputs, outputs written in place)``."""
+    return ((Operand("key_block_ptr", "key_scale_cache"),
+             Operand("value_block_ptr", "value_scale_cache")),
+            (Operand("key_block_out_ptr", "key_scale_cache", aliases="key_block_ptr"),
+             Operand("value_block_out_ptr", "value_scale_cache", aliases="value_block_ptr")))
+
+
+def write_nvfp4_operands(args) -> OperandMap:
+    """``_write_nvfp4_kernel``'s arrays: the FP8 write's, with a global scale and a block-scale
+    array per side."""
+    kc, vc = _caches(args.combined)
+    blocks_in, blocks_out = _block_operands()
+    inputs = (Operand("key_ptr", "key"), Operand("value_ptr", "value"),
+              Operand("key_cache_ptr", kc), Operand("value_cache_ptr", vc),
+              Operand("slot_ptr", "slots"),
+              _static_input("key", args.key_scale, WRITE_PLACEHOLDER),
+              _static_input("value", args.value_scale, WRITE_PLACEHOLDER)) + blocks_in
+    caches = (Operand("key_cache_out_ptr", kc, aliases="key_cache_ptr"),
+              Operand("value_cache_out_ptr", None, used=False) if args.combined else
+              Operand("value_cache_out_ptr", vc, aliases="value_cache_ptr"))
+    return OperandMap(inputs, caches + blocks_out)
+
+
+def dequantize_nvfp4_operands(args) -> OperandMap:
+    """``_dequantize_nvfp4_kernel``'s arrays: global scales, block scales, the FP8 output's
+    scale."""
+    kc, vc = _caches(args.combined)
+    blocks_in, _ = _block_operands()
+    out_scale = (Operand("out_scale_ptr", "out_scale") if args.out_scale.kind.on_device
+                 else Operand("out_scale_ptr", DEQUANTIZE_PLACEHOLDER, used=False))
+    inputs = (Operand("key_cache_ptr", kc), Operand("value_cache_ptr", vc),
+              Operand("table_ptr", "block_table"),
+              _static_input("key", args.key_scale, DEQUANTIZE_PLACEHOLDER),
+              _static_input("value", args.value_scale, DEQUANTIZE_PLACEHOLDER)) + blocks_in + (
+              out_scale,)
+    if args.combined:
+        pages = (Operand("key_out_ptr", "kv_out"), Operand("value_out_ptr", None, used=False))
+    else:
+        pages = (Operand("key_out_ptr", "key_out"), Operand("value_out_ptr", "value_out"))
+    return OperandMap(inputs, pages + (Operand("new_table_ptr", "table_out"),))
+
+
 def write_operands(args) -> OperandMap:
-    """``_write_kv_kernel``'s arrays for a validated :class:`fp8kv.validate.WriteArgs`."""
+    """``_write_kv_kernel``'s arrays for a validated :class:`fp8kv.validate.WriteArgs`
+    (``_write_nvfp4_kernel``'s for an nvfp4 cache)."""
+    if args.fmt.block_size:
+        return write_nvfp4_operands(args)
     kc, vc = _caches(args.combined)
     inputs = (Operand("key_ptr", "key"), Operand("value_ptr", "value"),
               Operand("key_cache_ptr", kc), Operand("value_cache_ptr", vc),
@@ -110,7 +164,10 @@ def write_operands(args) -> OperandMap:
 
 def dequantize_operands(args) -> OperandMap:
     """``_dequantize_pages_kernel``'s arrays for a validated
-    :class:`fp8kv.validate.DequantArgs` (a combined cache gives a combined output)."""
+    :class:`fp8kv.validate.DequantArgs` (a combined cache gives a combined output;
+    ``_dequantize_nvfp4_kernel``'s for an nvfp4 cache)."""
+    if args.fmt.block_size:
+        return dequantize_nvfp4_operands(args)
     kc, vc = _caches(args.combined)
     inputs = (Operand("key_cache_ptr", kc), Operand("value_cache_ptr", vc),
               Operand("table_ptr", "block_table"),

@@ -40,6 +40,24 @@ DEQUANT_SIZES = {
     CUDA: dict(block=2048, num_warps=4),
     INTERPRET: dict(block=1 << 16, num_warps=1),
 }
+# NVFP4 (docs/SPEC.md section 13; kernels write_nvfp4 / dequantize_nvfp4). write: elements of
+# whole rows per program and side (tile) and warps. A thread holds one group of 32 consecutive
+# elements per side (two blocks; 16 bytes of codes to store), so tile = 1,024 x warps maps one
+# group to each thread: 2,048 over 2 warps for large batches, 1,024 over 1 warp (one 8 x 128
+# token) for batches of up to small_batch_elems row elements. loads_first: both sides' loads
+# before the first amax. dequantize: output elements per program and warps. SASS of the default
+# write: ~24 instructions per element on the reciprocal path; first guesses, to be measured
+# (bench/nvfp4.py has the variants).
+NVFP4_WRITE_SIZES = {
+    CUDA: dict(tile=2048, num_warps=2, small_tile=1024, small_batch_warps=1,
+               small_batch_elems=1 << 18, loads_first=True),
+    INTERPRET: dict(tile=1 << 16, num_warps=1, small_tile=1 << 16, small_batch_warps=1,
+                    small_batch_elems=0, loads_first=True),
+}
+NVFP4_DEQUANT_SIZES = {
+    CUDA: dict(block=4096, num_warps=4, reciprocal_div=True),
+    INTERPRET: dict(block=1 << 16, num_warps=1, reciprocal_div=False),
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,6 +76,8 @@ class LaunchPlan:
     num_warps: int
     scalars: dict = field(default_factory=dict)
     constexprs: dict = field(default_factory=dict)
+    # The kernel (a name in fp8kv.ops) that the plan is for: the format chooses it.
+    kernel: str = "_write_kv_kernel"
     # Exactness must not depend on a compiler default (Triton fuses a*b+c into an FMA unless told
     # otherwise, jax-triton passes True): every launch says it. The kernels' arithmetic that must
     # round once per step is written with explicit fma / div_rn either way.
@@ -122,7 +142,10 @@ def offsets_64(args: WriteArgs, tokens: int, block_h: int, block_d: int, block_h
 
 @functools.lru_cache(maxsize=4096)
 def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> LaunchPlan:
-    """Plan ``_write_kv_kernel``; ``exact`` forces (True) or forbids (False) the exact path."""
+    """Plan ``_write_kv_kernel`` (``_write_nvfp4_kernel`` for an nvfp4 cache); ``exact`` forces
+    (True) or forbids (False) the exact path."""
+    if args.fmt.block_size:
+        return _plan_write_nvfp4(args, backend, exact)
     sizes = WRITE_SIZES[backend]
     kc, vc = args.key_cache, args.value_cache
     row = kc.num_heads * kc.head_dim
@@ -160,12 +183,15 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
 @functools.lru_cache(maxsize=4096)
 def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo | None,
                     backend: str, exact: bool | None = None) -> LaunchPlan:
-    """Plan ``_dequantize_pages_kernel``. A combined call (``args.combined``) has one
-    ``[N, 2, ...]`` output, ``key_out`` (``value_out`` None)."""
+    """Plan ``_dequantize_pages_kernel`` (``_dequantize_nvfp4_kernel`` for an nvfp4 cache). A
+    combined call (``args.combined``) has one ``[N, 2, ...]`` output, ``key_out`` (``value_out``
+    None)."""
     if args.combined:
         ko, vo = combined_halves(key_out, args.layout)
     else:
         ko, vo = paged(key_out, args.layout), paged(value_out, args.layout)
+    if args.fmt.block_size:
+        return _plan_dequantize_nvfp4(args, ko, vo, backend, exact)
     sizes = DEQUANT_SIZES[backend]
     kc, vc = args.key_cache, args.value_cache
     page_elems = kc.page_size * kc.num_heads * kc.head_dim
@@ -193,4 +219,85 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
         OUT_PACKED=ko.packed_pages(args.layout) and vo.packed_pages(args.layout),
         SHARED_OUT=args.combined)
     grid = (args.batch * args.pages_per_seq * chunks,)
-    return LaunchPlan(grid, sizes["num_warps"], scalars, constexprs)
+    return LaunchPlan(grid, sizes["num_warps"], scalars, constexprs,
+                      kernel="_dequantize_pages_kernel")
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4
+
+def _nvfp4_offsets_64(args: WriteArgs, tokens: int, block_h: int, block_d: int) -> bool:
+    """:func:`offsets_64` of an nvfp4 write: inputs of ``block_d`` columns, caches of
+    ``block_d / 2`` bytes and block scales of ``block_d / 16`` per head row."""
+    reach = [(tokens - 1) * x.strides[0] + block_h * x.strides[1] + block_d
+             for x in (args.key, args.value)]
+    for cache, cols in ((args.key_cache, block_d // 2), (args.value_cache, block_d // 2),
+                        (args.key_scale.stored, block_d // 16),
+                        (args.value_scale.stored, block_d // 16)):
+        reach.append(cache.offset + (cache.num_pages - 1) * cache.stride_page
+                     + (cache.page_size - 1) * cache.stride_slot + block_h * cache.stride_head
+                     + cols)
+    return max(reach) > INT32_REACH
+
+
+def _plan_write_nvfp4(args: WriteArgs, backend: str, exact: bool | None) -> LaunchPlan:
+    """Plan ``_write_nvfp4_kernel``: ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tiles of whole rows."""
+    sizes = NVFP4_WRITE_SIZES[backend]
+    kc, vc = args.key_cache, args.value_cache
+    head_dim = args.key.shape[2]
+    # BLOCK_D holds whole groups of two blocks (32 elements; ops/write_nvfp4.py).
+    block_h, block_d = triton.next_power_of_2(kc.num_heads), max(32, triton.next_power_of_2(head_dim))
+    small = args.num_tokens * kc.num_heads * head_dim <= sizes["small_batch_elems"]
+    block_t = max(1, sizes["small_tile" if small else "tile"] // (block_h * block_d))
+    if backend == INTERPRET:  # no compile cost here: fit the tile to the batch
+        block_t = min(block_t, triton.next_power_of_2(max(args.num_tokens, 1)))
+    ks, vs = args.key_scale, args.value_scale
+    key, value = args.key, args.value
+    scalars = dict(num_tokens=args.num_tokens, num_slots=kc.num_slots,
+                   key_scale_value=float(ks.value), value_scale_value=float(vs.value))
+    grid = (triton.cdiv(args.num_tokens, block_t),)
+    constexprs = dict(
+        NUM_HEADS=kc.num_heads, HEAD_DIM=head_dim, PAGE_SIZE=kc.page_size,
+        STRIDE_KEY_TOKEN=key.strides[0], STRIDE_KEY_HEAD=key.strides[1],
+        STRIDE_VALUE_TOKEN=value.strides[0], STRIDE_VALUE_HEAD=value.strides[1],
+        **_strides("KC", kc), **_strides("VC", vc), VALUE_CACHE_OFFSET=vc.offset,
+        **_strides("KB", ks.stored), **_strides("VB", vs.stored),
+        K_SCALE=ks.kind.id, V_SCALE=vs.kind.id, BLOCK_T=block_t, BLOCK_H=block_h,
+        BLOCK_D=block_d, LOADS_FIRST=sizes["loads_first"], SHARED_OUT=args.combined,
+        OFFSETS_64=_nvfp4_offsets_64(args, grid[0] * block_t, block_h, block_d),
+        EXACT=backend == INTERPRET if exact is None else exact)
+    num_warps = sizes["small_batch_warps"] if small else sizes["num_warps"]
+    return LaunchPlan(grid, num_warps, scalars, constexprs, kernel="_write_nvfp4_kernel")
+
+
+def _plan_dequantize_nvfp4(args: DequantArgs, ko, vo, backend: str,
+                           exact: bool | None) -> LaunchPlan:
+    """Plan ``_dequantize_nvfp4_kernel``: ``[ROWS, BLOCK_D]`` tiles of whole head rows."""
+    sizes = NVFP4_DEQUANT_SIZES[backend]
+    kc, vc = args.key_cache, args.value_cache
+    ks, vs, os = args.key_scale, args.value_scale, args.out_scale
+    block_d = triton.next_power_of_2(args.head_dim)
+    rows = max(1, sizes["block"] // block_d)
+    if backend == INTERPRET:  # one program per page where it fits
+        rows = min(rows, triton.next_power_of_2(kc.page_size * kc.num_heads))
+    table = args.block_table
+    scalars = dict(
+        pages_per_seq=max(args.pages_per_seq, 1), stride_table_seq=table.strides[0],
+        stride_table_page=table.strides[1], num_pages=kc.num_pages,
+        null_page=-1 if args.null_page is None else args.null_page,
+        key_scale_value=float(ks.value), value_scale_value=float(vs.value),
+        out_scale_value=float(os.value))
+    constexprs = dict(
+        NUM_HEADS=kc.num_heads, HEAD_DIM=args.head_dim, PAGE_SIZE=kc.page_size,
+        **_strides("KC", kc), **_strides("VC", vc), VALUE_CACHE_OFFSET=vc.offset,
+        **_strides("KB", ks.stored), **_strides("VB", vs.stored),
+        **_strides("KO", ko), **_strides("VO", vo), VALUE_OUT_OFFSET=vo.offset,
+        K_SCALE=ks.kind.id, V_SCALE=vs.kind.id, OUT_SCALE=os.kind.id,
+        HND=args.layout == "HND" and args.cache_rank == 4, ROWS=rows, BLOCK_D=block_d,
+        OUT_KIND=int(OUT_KIND_OF_DTYPE[args.out_dtype]), HAS_NULL_PAGE=args.null_page is not None,
+        SHARED_OUT=args.combined, RECIPROCAL_DIV=sizes["reciprocal_div"],
+        EXACT=backend == INTERPRET if exact is None else exact)
+    chunks = triton.cdiv(kc.page_size * kc.num_heads, rows)
+    grid = (args.batch * args.pages_per_seq * chunks,)
+    return LaunchPlan(grid, sizes["num_warps"], scalars, constexprs,
+                      kernel="_dequantize_nvfp4_kernel")

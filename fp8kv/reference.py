@@ -8,8 +8,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .formats import (CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, FORMATS, Format,
-                      resolve_format)
+from .formats import (CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, E4M3, FORMATS, FP8_OUTPUT_DTYPE,
+                      NVFP4, Format, resolve_format)
 from .validate import (INLINE, SCALE_ROUNDINGS, check_choice, check_inline_pad,
                        check_no_static_scale, check_scale_cache_arg)
 
@@ -47,6 +47,13 @@ def dequantize(q: np.ndarray, scale, fmt: Format, out_dtype: str) -> np.ndarray:
     f = np.asarray(q).view(np.uint8).view(np_dtype(fmt.dtype)).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         v = (f * np.asarray(scale, dtype=np.float32)).astype(np.float32)
+    return round_output(v, out_dtype)
+
+
+def round_output(v: np.ndarray, out_dtype: str) -> np.ndarray:
+    """fp32 ``v`` rounded (RNE) to ``out_dtype`` (bfloat16, float16, float32), IEEE style; NaN
+    gives the canonical NaN (docs/SPEC.md section 3)."""
+    with np.errstate(over="ignore", invalid="ignore"):
         out = v.astype(np_dtype(out_dtype))
     bits = out.view(_UINT_OF_SIZE[out.itemsize])
     bits = np.where(np.isnan(v), bits.dtype.type(CANONICAL_NAN_BITS[out_dtype]), bits)
@@ -169,8 +176,13 @@ def _side_scales_view(scale_cache: np.ndarray, cache_shape, layout: str, name: s
 
 def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_scale=None, *,
              layout="NHD", fp8_format=None, key_scale_cache=None, value_scale_cache=None,
-             scale_rounding="exact"):
+             scale_rounding="exact", cache_format=None):
     """Reference ``write_kv``: new copies of the caches; nothing is modified in place.
+
+    ``cache_format="nvfp4"`` (docs/SPEC.md section 13): uint8 caches ``[..., D/2]``, block-scale
+    arrays ``key_scale_cache`` / ``value_scale_cache`` ``[..., D/16]`` (e4m3 or uint8), global
+    scales ``key_scale`` / ``value_scale``; returns ``(key_cache, value_cache, key_scale_cache,
+    value_scale_cache)``, each a new copy.
 
     Static scales (``key_scale`` / ``value_scale``: None, a float, ``[]``, ``[1]`` or ``[H]``)
     quantize every token with the same scale. Dynamic scales: pass ``key_scale_cache`` (and/or
@@ -193,6 +205,10 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
     side has no side array: static scales or ``"inline"``).
     """
     check_choice(scale_rounding, "scale_rounding", SCALE_ROUNDINGS)
+    if _is_nvfp4(fp8_format, cache_format):
+        return _write_kv_nvfp4(key, value, key_cache, value_cache, slots, key_scale, value_scale,
+                               layout, key_scale_cache, value_scale_cache)
+    fp8_format = cache_format or fp8_format
     slots = np.asarray(slots).astype(np.int64)
     out, scale_out = [], []
     for side, x, cache, scale, scale_cache in (
@@ -240,8 +256,14 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
 
 def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_scale=None, *,
                      dtype="bfloat16", layout="NHD", fp8_format=None, null_page=None,
-                     key_scale_cache=None, value_scale_cache=None, head_dim=None):
+                     key_scale_cache=None, value_scale_cache=None, head_dim=None,
+                     cache_format=None, out_scale=None):
     """Reference ``dequantize_pages``: ``(key_pages, value_pages, new_block_table)``.
+
+    ``cache_format="nvfp4"``: block scales in ``key_scale_cache`` / ``value_scale_cache``, global
+    scales in ``key_scale`` / ``value_scale``; pages of ``D = 2 x`` the caches' last dimension.
+    ``dtype="float8_e4m3fn"`` (nvfp4 only) gives e4m3 codes of the values divided by
+    ``out_scale`` (None: 1).
 
     Static scales (``key_scale`` / ``value_scale``) or dynamic ones, read per token
     (``key_scale_cache`` / ``value_scale_cache``, with that side's static scale None; K and V are
@@ -257,6 +279,11 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
     """
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
         raise TypeError(f"head_dim: expected None or an int, got {type(head_dim).__name__}")
+    if _is_nvfp4(fp8_format, cache_format):
+        return _dequantize_pages_nvfp4(key_cache, value_cache, block_table, key_scale,
+                                       value_scale, dtype, layout, null_page, key_scale_cache,
+                                       value_scale_cache, out_scale)
+    fp8_format = cache_format or fp8_format
     inline_given = any(isinstance(c, str) and c == INLINE for c in (key_scale_cache,
                                                                      value_scale_cache))
     if inline_given and head_dim is None:
@@ -413,3 +440,155 @@ def rope_write_kv(query, key, value, key_cache, value_cache, slots, positions, c
     if return_key:
         out += (round_to(yk, key.dtype.name),)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 (docs/SPEC.md section 13): E2M1 codes, an e4m3 scale per 16 elements, a global scale.
+# ---------------------------------------------------------------------------------------------
+
+_E2M1 = np.array(NVFP4.magnitudes, dtype=np.float64)   # value of each magnitude code 0..7
+
+
+def e2m1_magnitude(a) -> np.ndarray:
+    """The E2M1 magnitude code (0..7, uint8) of fp32 ``a >= 0``: the nearest of 0, 0.5, 1, 1.5,
+    2, 3, 4, 6, ties to the even code; above 6 (inf included) gives 7.
+
+    >>> e2m1_magnitude(np.float32([0.25, 0.26, 0.75, 1.25, 2.5, 3.5, 5.0, 5.01, np.inf])).tolist()
+    [0, 1, 2, 2, 4, 6, 6, 7, 7]
+    """
+    a = np.minimum(np.asarray(a, dtype=np.float64), 6.0)   # fp32 -> fp64 and |a - v|: exact
+    dist = np.abs(a[..., None] - _E2M1)
+    tied = dist == dist.min(axis=-1, keepdims=True)         # one code, or two neighbours
+    codes = np.arange(_E2M1.size)
+    even = np.where(tied & (codes % 2 == 0), codes, _E2M1.size).min(axis=-1)
+    return np.where(even < _E2M1.size, even, tied.argmax(axis=-1)).astype(np.uint8)
+
+
+def _nvfp4_blocks(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x)
+    if x.shape[-1] % NVFP4.block_size:
+        raise ValueError(f"x: expected a last dimension that is a multiple of "
+                         f"{NVFP4.block_size}, got {x.shape[-1]}")
+    return x.reshape(x.shape[:-1] + (x.shape[-1] // NVFP4.block_size, NVFP4.block_size))
+
+
+def quantize_nvfp4(x, g=None):
+    """NVFP4 codes and block scales of ``x`` ``[..., D]`` (``D`` a multiple of 16) with global
+    dequant scale ``g`` (None: 1; else fp32, broadcasting against ``[..., D/16]``, e.g. ``[H, 1]``
+    for ``x`` of shape ``[T, H, D]``).
+
+    Returns ``(codes, block_scales)``: uint8 ``[..., D/2]`` (element ``2i`` in the low nibble)
+    and uint8 ``[..., D/16]`` (e4m3 bytes). Per block of 16 (docs/SPEC.md 12.1): ``amax`` (NaN as
+    0), ``sf = e4m3(amax / (6 g))``, ``d = e4m3_value(sf) * g``; ``d == 0`` gives zero codes,
+    otherwise each code is the nearest E2M1 value of ``x / d`` (ties to even, saturating at 6)
+    with the sign of ``x``, and 0 for a NaN quotient.
+
+    >>> codes, sf = quantize_nvfp4(np.float32([[0, 1, -1, 3, 6, -6, 0.75, 1.25] + [0] * 8]))
+    >>> [hex(b) for b in codes[0, :4]], hex(sf[0, 0])  # amax 6: sf = 1.0 (0x38), d = 1
+    (['0x20', '0x5a', '0xf7', '0x22'], '0x38')
+    """
+    blocks = _nvfp4_blocks(x).astype(np.float32)                   # [..., NB, 16]
+    g = np.float32(1.0) if g is None else np.asarray(g, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        a = np.abs(blocks)
+        amax = np.where(np.isnan(a), np.float32(0.0), a).max(axis=-1)     # [..., NB]
+        six_g = (np.float32(6.0) * g).astype(np.float32)
+        sf = quantize((amax / six_g).astype(np.float32), np.float32(1.0), E4M3)
+        d = (sf.view(np_dtype(E4M3.dtype)).astype(np.float32) * g).astype(np.float32)
+        y = (blocks / d[..., None]).astype(np.float32)
+    mag = e2m1_magnitude(np.where(np.isnan(y), np.float32(0.0), np.abs(y)))
+    code = mag | (np.signbit(blocks).astype(np.uint8) << 3)
+    code = np.where(np.isnan(y) | (d == 0)[..., None], np.uint8(0), code).astype(np.uint8)
+    code = code.reshape(code.shape[:-2] + (-1,))
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8), sf
+
+
+def e2m1_values(codes) -> np.ndarray:
+    """fp32 values ``[..., 2 W]`` of packed codes ``[..., W]`` (low nibble first); ``0x8`` is -0.0.
+
+    >>> e2m1_values(np.uint8([0x8f, 0x21])).tolist()
+    [-6.0, -0.0, 0.5, 1.0]
+    """
+    c = np.asarray(codes).view(np.uint8)
+    nib = np.stack([c & 0xF, c >> 4], axis=-1).reshape(c.shape[:-1] + (2 * c.shape[-1],))
+    mag = _E2M1.astype(np.float32)[nib & 0x7]
+    return np.where(nib & 0x8, -mag, mag).astype(np.float32)
+
+
+def dequantize_nvfp4(codes, block_scales, g=None, out_dtype="bfloat16", out_scale=None):
+    """Values of NVFP4 ``codes`` ``[..., D/2]`` with ``block_scales`` ``[..., D/16]`` (e4m3 bytes)
+    and global scale ``g`` (as in :func:`quantize_nvfp4`), as ``out_dtype`` ``[..., D]``.
+
+    ``v = (e2m1 * e4m3_value(sf)) * g`` in fp32 (the first product is exact), then rounded to
+    ``out_dtype`` (NaN: canonical NaN); ``out_dtype="float8_e4m3fn"`` gives the e4m3 codes of
+    ``v / out_scale`` (None: 1) as :func:`quantize` writes them.
+
+    >>> sf = np.uint8([[0x3C]])                                         # e4m3 1.5
+    >>> dequantize_nvfp4(np.uint8([[0x8f] + [0x22] * 7]), sf, 0.5, "float32")[0, :3]
+    array([-4.5 , -0.  ,  0.75], dtype=float32)
+    """
+    sv = np.asarray(block_scales).view(np.uint8).view(np_dtype(E4M3.dtype)).astype(np.float32)
+    g = np.float32(1.0) if g is None else np.asarray(g, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = (_nvfp4_blocks(e2m1_values(codes)) * sv[..., None]).astype(np.float32)   # exact
+        v = (p * np.asarray(g)[..., None]).astype(np.float32)
+    v = v.reshape(v.shape[:-2] + (-1,))
+    if out_dtype == FP8_OUTPUT_DTYPE:
+        scale = np.float32(1.0) if out_scale is None else out_scale
+        return quantize(v, scale, E4M3).view(np_dtype(FP8_OUTPUT_DTYPE))
+    return round_output(v, out_dtype)
+
+
+def _is_nvfp4(fp8_format, cache_format) -> bool:
+    return (cache_format or fp8_format) == NVFP4.name
+
+
+def _write_kv_nvfp4(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout,
+                    key_scale_cache, value_scale_cache):
+    """:func:`write_kv` of an nvfp4 cache: ``(key_cache, value_cache, key_scale_cache,
+    value_scale_cache)``, new copies with the valid slots written (codes and block scales)."""
+    slots = np.asarray(slots).astype(np.int64)
+    out = []
+    for x, cache, scale, blocks in ((key, key_cache, key_scale, key_scale_cache),
+                                    (value, value_cache, value_scale, value_scale_cache)):
+        x = np.asarray(x)
+        cache, blocks = np.array(cache, copy=True), np.array(blocks, copy=True)
+        pages = _pages_view(cache.view(np.uint8), layout)          # [P, S, H, D/2]
+        scales = _pages_view(blocks.view(np.uint8), layout)        # [P, S, H, D/16]
+        num_pages, page_size = pages.shape[:2]
+        codes, sf = quantize_nvfp4(x, _scale_array(scale, x.shape[1]))
+        for t, slot in enumerate(slots):
+            if 0 <= slot < num_pages * page_size:
+                page, offset = divmod(int(slot), page_size)
+                pages[page, offset] = codes[t]
+                scales[page, offset] = sf[t]
+        out.append((cache, blocks))
+    (kc, kb), (vc, vb) = out
+    return kc, vc, kb, vb
+
+
+def _dequantize_pages_nvfp4(key_cache, value_cache, block_table, key_scale, value_scale, dtype,
+                            layout, null_page, key_scale_cache, value_scale_cache, out_scale):
+    """:func:`dequantize_pages` of an nvfp4 cache: pages of ``2 x`` the caches' last dimension."""
+    table = np.asarray(block_table).astype(np.int64)
+    batch, pages_per_seq = table.shape
+    results = []
+    for cache, scale, blocks in ((key_cache, key_scale, key_scale_cache),
+                                 (value_cache, value_scale, value_scale_cache)):
+        cache = np.asarray(cache)
+        pages = _pages_view(cache.view(np.uint8), layout)
+        scales = _pages_view(np.asarray(blocks).view(np.uint8), layout)
+        num_pages, page_size, num_heads, width = pages.shape
+        g = _scale_array(scale, num_heads)
+        out = np.zeros((batch * pages_per_seq, page_size, num_heads, 2 * width), np_dtype(dtype))
+        for i, page in enumerate(table.reshape(-1)):
+            padding = page < 0 or page >= num_pages or (null_page is not None and page == null_page)
+            if not padding:
+                out[i] = dequantize_nvfp4(pages[page], scales[page], g, dtype, out_scale)
+        if cache.ndim == 3:
+            out = out[:, 0]
+        elif layout == "HND":
+            out = np.ascontiguousarray(out.transpose(0, 2, 1, 3))
+        results.append(out)
+    new_table = np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, pages_per_seq)
+    return results[0], results[1], new_table

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-# The output dtypes of a dequantize, by the names the core uses (and accepts as strings).
-OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
+# The output dtypes of a dequantize, by the names the core uses (and accepts as strings); the
+# core says which of them a given cache takes (float8_e4m3fn: an nvfp4 cache's FP8 workspace).
+OUTPUT_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
 
 
 def check_flag(value, name: str) -> bool:
@@ -54,7 +55,7 @@ def output_dtype_name(value, framework_name: Callable[[object], str | None],
     >>> output_dtype_name("bf16", lambda d: None)
     Traceback (most recent call last):
     ...
-    TypeError: dtype: expected one of 'bfloat16', 'float16', 'float32' (a string, or the framework's dtype of one), got 'bf16'
+    TypeError: dtype: expected one of 'bfloat16', 'float16', 'float32', 'float8_e4m3fn' (a string, or the framework's dtype of one), got 'bf16'
     """
     found = value if isinstance(value, str) else framework_name(value)
     if found not in OUTPUT_DTYPES:

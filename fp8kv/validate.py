@@ -6,15 +6,17 @@ dtype, ``ValueError`` for a wrong value, shape, layout or device.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Real
 
 import numpy as np
 
 from .arrays import ArrayInfo, fmt_shape
-from .formats import (CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, INPUT_DTYPES, OUTPUT_DTYPES,
-                      SLOT_DTYPES, Format, resolve_format)
-from .layout import (INLINE_PADS, LAYOUTS, PagedCache, ScaleCache, combined_halves,
+from .formats import (BLOCK_SCALE_DTYPES, CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, FP8_FORMATS,
+                      FP8_OUTPUT_DTYPE, INPUT_DTYPES, OUTPUT_DTYPES, SLOT_DTYPES, Format,
+                      resolve_format)
+from .layout import (INLINE_PADS, LAYOUTS, PagedCache, ScaleCache, block_scales_shape,
+                     combined_halves,
                      expected_cache_shape, inline_data, paged, pages_shape,
                      scale_cache as scale_cache_geometry, scale_cache_shapes)
 from .modes import ScaleKind, SideScale
@@ -30,16 +32,40 @@ def check_choice(value, name: str, choices) -> str:
     return value
 
 
-def check_format(cache: ArrayInfo, fp8_format, name: str) -> Format:
-    """The cache's format (a row of :data:`fp8kv.formats.FORMATS`): its dtype's, or the named
-    one for a uint8 cache."""
-    if fp8_format is not None and (not isinstance(fp8_format, str) or fp8_format not in FORMATS):
+def check_format_name(fp8_format, cache_format):
+    """``(argument, name)``: which of ``fp8_format`` (the FP8 formats) and ``cache_format`` (any
+    format) names the cache's format, and the name (None: the cache's dtype, or e4m3)."""
+    if fp8_format is not None and (not isinstance(fp8_format, str)
+                                   or fp8_format not in FP8_FORMATS):
+        names = ", ".join(repr(n) for n in FP8_FORMATS)
+        hint = (f" (name it with cache_format={fp8_format!r})"
+                if isinstance(fp8_format, str) and fp8_format in FORMATS else "")
+        raise ValueError(f"fp8_format: expected {names} or None{hint}, got {fp8_format!r}")
+    if cache_format is None:
+        return "fp8_format", fp8_format
+    if not isinstance(cache_format, str) or cache_format not in FORMATS:
         names = ", ".join(repr(n) for n in FORMATS)
-        raise ValueError(f"fp8_format: expected {names} or None, got {fp8_format!r}")
-    fmt = resolve_format(cache.dtype, fp8_format)
-    if cache.dtype in FORMAT_OF_DTYPE and fp8_format not in (None, fmt.name):
-        raise ValueError(f"fp8_format: {name} is {cache.dtype}, which is {fmt.name!r}, "
-                         f"got fp8_format={fp8_format!r}")
+        raise ValueError(f"cache_format: expected {names} or None, got {cache_format!r}")
+    if fp8_format is not None:
+        raise ValueError(f"cache_format: expected None when fp8_format is given (both name the "
+                         f"cache's format: pass one), got {cache_format!r} with "
+                         f"fp8_format={fp8_format!r}")
+    return "cache_format", cache_format
+
+
+def check_format(cache: ArrayInfo, fp8_format, name: str, cache_format=None) -> Format:
+    """The cache's format (a row of :data:`fp8kv.formats.FORMATS`): its dtype's, or the named
+    one for a uint8 cache (a block format, nvfp4, is uint8 only)."""
+    arg, given = check_format_name(fp8_format, cache_format)
+    if given is not None and FORMATS[given].dtype is None:
+        if cache.dtype != "uint8":
+            raise TypeError(f"{name}: expected dtype uint8 for {arg}={given!r} (two 4-bit codes "
+                            f"per byte), got {cache.dtype}")
+        return FORMATS[given]
+    fmt = resolve_format(cache.dtype, given)
+    if cache.dtype in FORMAT_OF_DTYPE and given not in (None, fmt.name):
+        raise ValueError(f"{arg}: {name} is {cache.dtype}, which is {fmt.name!r}, "
+                         f"got {arg}={given!r}")
     return fmt
 
 
@@ -93,12 +119,13 @@ def _named_caches(key_cache, value_cache, kv_cache) -> dict:
     return {"key_cache": key_cache, "value_cache": value_cache}
 
 
-def check_caches(key_cache, value_cache, kv_cache, layout: str, fp8_format):
+def check_caches(key_cache, value_cache, kv_cache, layout: str, fp8_format, cache_format=None):
     """K and V as pages, their format and rank: from ``kv_cache`` if given (combined), else from
     the pair."""
     if kv_cache is not None:
         kc, vc = check_cache(kv_cache, layout, "kv_cache", combined=True)
-        return kc, vc, check_format(kv_cache, fp8_format, "kv_cache"), kv_cache.ndim - 1
+        return (kc, vc, check_format(kv_cache, fp8_format, "kv_cache", cache_format),
+                kv_cache.ndim - 1)
     k = check_cache(key_cache, layout, "key_cache")
     v = check_cache(value_cache, layout, "value_cache")
     if value_cache.shape != key_cache.shape:
@@ -107,7 +134,7 @@ def check_caches(key_cache, value_cache, kv_cache, layout: str, fp8_format):
     if value_cache.dtype != key_cache.dtype:
         raise TypeError(f"value_cache: expected the dtype of key_cache ({key_cache.dtype}), got "
                         f"{value_cache.dtype}")
-    return k, v, check_format(key_cache, fp8_format, "key_cache"), key_cache.ndim
+    return k, v, check_format(key_cache, fp8_format, "key_cache", cache_format), key_cache.ndim
 
 
 def check_scale(scale, name: str, num_heads: int, device: str) -> SideScale:
@@ -142,9 +169,17 @@ INLINE = "inline"
 SCALE_ROUNDINGS = ("exact", "pow2")
 
 
-def check_scale_cache_arg(scale_cache, name: str, array_type: type = ArrayInfo):
+def check_scale_cache_arg(scale_cache, name: str, array_type: type = ArrayInfo,
+                          fmt: Format | None = None):
     """None, ``"inline"`` or an array: an :class:`ArrayInfo` (a frontend's array), or what
-    ``array_type`` says (the reference's NumPy arrays); anything else raises."""
+    ``array_type`` says (the reference's NumPy arrays); anything else raises. For a block format
+    (``fmt``, nvfp4) an array of block scales is required: that check is
+    :func:`check_block_scales`'."""
+    if fmt is not None and fmt.block_size:
+        if scale_cache is not None and not isinstance(scale_cache, (str, array_type)):
+            raise TypeError(f"{name}: expected an array of {fmt.name} block scales "
+                            f"({' or '.join(BLOCK_SCALE_DTYPES)}), got {type(scale_cache).__name__}")
+        return scale_cache
     if isinstance(scale_cache, str):
         if scale_cache != INLINE:
             raise ValueError(f"{name}: expected None, 'inline' or a float32 array, got "
@@ -214,6 +249,65 @@ def check_scale_cache(scale_cache, name: str, scale, scale_name: str, cache: Pag
                      stored=geometry)
 
 
+def check_block_head_dim(head_dim: int, fmt: Format, name: str) -> None:
+    """A head_dim (of ``name``) that a block format can hold: whole blocks of scales."""
+    if head_dim % fmt.block_size:
+        raise ValueError(f"{name}: expected a head_dim that is a multiple of {fmt.block_size} for "
+                         f"cache_format={fmt.name!r} (one block scale per {fmt.block_size} "
+                         f"elements), got {head_dim}")
+
+
+def check_block_scales(scale_cache, name: str, cache: PagedCache, layout: str, rank: int,
+                       device: str, fmt: Format) -> PagedCache:
+    """One side's block-scale array (required): the cache's shape with ``head_dim / block_size``
+    scales per head row, e4m3 or uint8. Returns its geometry."""
+    shape = block_scales_shape(cache, layout, rank, fmt)
+    expected = (f"an array {fmt_shape(shape)} of {' or '.join(BLOCK_SCALE_DTYPES)} (the cache's "
+                f"shape with head_dim / {fmt.block_size} = {shape[-1]} block scales per head row)")
+    if not isinstance(scale_cache, ArrayInfo):
+        raise ValueError(f"{name}: expected the block scales of an {fmt.name} cache, "
+                         f"{expected}, got {scale_cache!r}")
+    check_dtype(scale_cache, name, BLOCK_SCALE_DTYPES)
+    if scale_cache.shape != shape:
+        raise ValueError(f"{name}: expected {expected}, got shape {fmt_shape(scale_cache.shape)}")
+    if scale_cache.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of the cache), got "
+                         f"{scale_cache.device}")
+    if any(st < 0 for st in scale_cache.strides):
+        raise ValueError(f"{name}: expected non-negative strides, got "
+                         f"{fmt_shape(scale_cache.strides)}")
+    check_unit_last_stride(scale_cache, name)
+    return paged(scale_cache, layout)
+
+
+def _block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
+                       layout, rank, device, num_heads, fmt) -> tuple[SideScale, SideScale]:
+    """Both sides of a block format (nvfp4): a static global scale and the block scales."""
+    sides = []
+    for side, scale, sc, cache in (("key", key_scale, key_scale_cache, kc),
+                                   ("value", value_scale, value_scale_cache, vc)):
+        stored = check_block_scales(sc, f"{side}_scale_cache", cache, layout, rank, device, fmt)
+        static = check_scale(scale, f"{side}_scale", num_heads, device)
+        sides.append(SideScale(static.kind, static.value, ScaleKind.BLOCK, stored))
+    return tuple(sides)
+
+
+def check_out_scale(out_scale, out_dtype: str, device: str) -> SideScale:
+    """The scale of an FP8 output (``dtype=float8_e4m3fn``): None, a number or an fp32 device
+    array ``[]``/``[1]``; any other output takes none."""
+    if out_scale is None:
+        return SideScale()
+    if out_dtype != FP8_OUTPUT_DTYPE:
+        raise ValueError(f"out_scale: expected None unless dtype is {FP8_OUTPUT_DTYPE} (it scales "
+                         f"the FP8 output), got "
+                         f"{'an array' if isinstance(out_scale, ArrayInfo) else repr(out_scale)} "
+                         f"with dtype {out_dtype}")
+    if isinstance(out_scale, ArrayInfo) and out_scale.shape not in ((), (1,)):
+        check_dtype(out_scale, "out_scale", ("float32",))
+        raise ValueError(f"out_scale: expected shape [] or [1], got {fmt_shape(out_scale.shape)}")
+    return check_scale(out_scale, "out_scale", 1, device)
+
+
 def _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc, layout, rank,
                  device, num_heads) -> tuple[SideScale, SideScale]:
     """Both sides' :class:`~fp8kv.modes.SideScale`, static or dynamic."""
@@ -250,7 +344,7 @@ class WriteArgs:
 def check_write(key, value, key_cache=None, value_cache=None, slots=None, key_scale=None,
                 value_scale=None, *, layout,
                 fp8_format, kv_cache=None, key_scale_cache=None, value_scale_cache=None,
-                scale_rounding="exact") -> WriteArgs:
+                scale_rounding="exact", cache_format=None) -> WriteArgs:
     """Validate ``write_kv`` (or, with ``kv_cache``, ``write_kv_combined``) arguments."""
     layout = check_choice(layout, "layout", LAYOUTS)
     device = check_same_device({"key": key, "value": value, **_named_caches(key_cache, value_cache,
@@ -266,27 +360,43 @@ def check_write(key, value, key_cache=None, value_cache=None, slots=None, key_sc
                          f"{fmt_shape(value.shape)}")
     if value.dtype != key.dtype:
         raise TypeError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
-    kc, vc, fmt, rank = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format)
+    kc, vc, fmt, rank = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format,
+                                     cache_format)
     cache_name = "kv_cache" if kv_cache is not None else "key_cache"
     num_tokens, num_heads, head_dim = key.shape
-    key_scale_cache = check_scale_cache_arg(key_scale_cache, "key_scale_cache")
-    value_scale_cache = check_scale_cache_arg(value_scale_cache, "value_scale_cache")
+    key_scale_cache = check_scale_cache_arg(key_scale_cache, "key_scale_cache", fmt=fmt)
+    value_scale_cache = check_scale_cache_arg(value_scale_cache, "value_scale_cache", fmt=fmt)
     pow2 = check_choice(scale_rounding, "scale_rounding", SCALE_ROUNDINGS) == "pow2"
-    kc, vc, pad = check_inline(key_scale_cache, value_scale_cache, kc, vc, head_dim, cache_name)
-    if (kc.num_heads, kc.head_dim) != (num_heads, head_dim):
+    if fmt.block_size:   # nvfp4: block scales (e4m3, rounded to nearest), no inline scales
+        check_block_head_dim(head_dim, fmt, "key")
+        if pow2:
+            raise ValueError(f"scale_rounding: expected 'exact' for cache_format={fmt.name!r} "
+                             f"(its block scales are e4m3, rounded to nearest), got 'pow2'")
+        pad = 0
+    else:
+        kc, vc, pad = check_inline(key_scale_cache, value_scale_cache, kc, vc, head_dim,
+                                   cache_name)
+    elems = kc.head_dim * fmt.codes_per_byte   # the cache's head_dim in elements
+    if (kc.num_heads, elems) != (num_heads, head_dim):
         other = "HND" if layout == "NHD" else "NHD"
-        fits_other = kc.page_size == num_heads and kc.head_dim == head_dim  # heads <-> page_size
+        fits_other = kc.page_size == num_heads and elems == head_dim  # heads <-> page_size
         hint = f"; these shapes fit layout={other!r}" if fits_other else ""
+        packed = (f" (a last dimension of {kc.head_dim} bytes, {fmt.codes_per_byte} codes per "
+                  f"byte)" if fmt.codes_per_byte > 1 else "")
         raise ValueError(f"{cache_name}: expected num_kv_heads={num_heads} and head_dim={head_dim} "
-                         f"(those of key), got num_kv_heads={kc.num_heads} and head_dim={kc.head_dim} "
-                         f"with layout={layout!r}{hint}")
+                         f"(those of key), got num_kv_heads={kc.num_heads} and head_dim={elems}"
+                         f"{packed} with layout={layout!r}{hint}")
     check_dtype(slots, "slots", SLOT_DTYPES)
     if slots.shape != (num_tokens,):
         raise ValueError(f"slots: expected shape [{num_tokens}] (one per token), got "
                          f"{fmt_shape(slots.shape)}")
     check_contiguous(slots, "slots")
-    ks, vs = _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
-                          layout, rank, device, num_heads)
+    if fmt.block_size:
+        ks, vs = _block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
+                                    kc, vc, layout, rank, device, num_heads, fmt)
+    else:
+        ks, vs = _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
+                              layout, rank, device, num_heads)
     return WriteArgs(num_tokens, key, value, kc, vc, fmt, ks, vs, layout, kv_cache is not None,
                      pad, pow2)
 
@@ -310,42 +420,69 @@ class DequantArgs:
     value_scale: SideScale
     combined: bool = False
     inline_pad: int = 0
+    out_scale: SideScale = SideScale()   # of an FP8 output (nvfp4 caches)
+
+    @property
+    def head_dim(self) -> int:
+        """The pages' head_dim, in elements (nvfp4: two per cache byte)."""
+        return self.key_cache.head_dim * self.fmt.codes_per_byte
 
 
 def check_dequantize(key_cache=None, value_cache=None, block_table=None, key_scale=None,
                      value_scale=None, *, dtype, layout,
                      fp8_format, null_page, kv_cache=None, key_scale_cache=None,
-                     value_scale_cache=None, head_dim=None) -> DequantArgs:
+                     value_scale_cache=None, head_dim=None, cache_format=None,
+                     out_scale=None) -> DequantArgs:
     layout = check_choice(layout, "layout", LAYOUTS)
     device = check_same_device({**_named_caches(key_cache, value_cache, kv_cache),
                                 "block_table": block_table})
-    kc, vc, fmt, rank = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format)
+    kc, vc, fmt, rank = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format,
+                                     cache_format)
     cache_name = "kv_cache" if kv_cache is not None else "key_cache"
-    key_scale_cache = check_scale_cache_arg(key_scale_cache, "key_scale_cache")
-    value_scale_cache = check_scale_cache_arg(value_scale_cache, "value_scale_cache")
+    key_scale_cache = check_scale_cache_arg(key_scale_cache, "key_scale_cache", fmt=fmt)
+    value_scale_cache = check_scale_cache_arg(value_scale_cache, "value_scale_cache", fmt=fmt)
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
         raise TypeError(f"head_dim: expected None or an int, got {type(head_dim).__name__}")
-    if key_scale_cache == INLINE or value_scale_cache == INLINE:
-        if head_dim is None:
-            raise ValueError("head_dim: expected an int with an inline scale cache (the last "
-                             "dimension is head_dim + 4 or head_dim + 16), got None")
-    elif head_dim is not None and head_dim != kc.head_dim:
-        raise ValueError(f"head_dim: expected the last dimension of {cache_name} ({kc.head_dim}) "
-                         f"without an inline scale cache, got {head_dim}")
-    kc, vc, pad = check_inline(key_scale_cache, value_scale_cache, kc, vc, head_dim, cache_name)
-    if dtype not in OUTPUT_DTYPES:
-        raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
+    if fmt.block_size:   # nvfp4: the pages hold 2 x the caches' last dimension
+        elems = kc.head_dim * fmt.codes_per_byte
+        if head_dim is not None and head_dim != elems:
+            raise ValueError(f"head_dim: expected that of {cache_name} ({elems}: {kc.head_dim} "
+                             f"bytes of {fmt.codes_per_byte} codes), got {head_dim}")
+        check_block_head_dim(elems, fmt, cache_name)
+        pad = 0
+    else:
+        if key_scale_cache == INLINE or value_scale_cache == INLINE:
+            if head_dim is None:
+                raise ValueError("head_dim: expected an int with an inline scale cache (the last "
+                                 "dimension is head_dim + 4 or head_dim + 16), got None")
+        elif head_dim is not None and head_dim != kc.head_dim:
+            raise ValueError(f"head_dim: expected the last dimension of {cache_name} "
+                             f"({kc.head_dim}) without an inline scale cache, got {head_dim}")
+        kc, vc, pad = check_inline(key_scale_cache, value_scale_cache, kc, vc, head_dim,
+                                   cache_name)
+    if fmt.block_size and dtype not in OUTPUT_DTYPES + (FP8_OUTPUT_DTYPE,):
+        raise TypeError(f"dtype: expected bfloat16, float16, float32 or {FP8_OUTPUT_DTYPE}, got "
+                        f"{dtype}")
+    if not fmt.block_size and dtype not in OUTPUT_DTYPES:
+        hint = (f" ({FP8_OUTPUT_DTYPE} output is for cache_format='nvfp4')"
+                if dtype == FP8_OUTPUT_DTYPE else "")
+        raise TypeError(f"dtype: expected bfloat16, float16 or float32{hint}, got {dtype}")
     check_dtype(block_table, "block_table", ("int32", "int64"))
     if block_table.ndim != 2:
         raise ValueError(f"block_table: expected rank 2 [batch, pages_per_seq], got shape "
                          f"{fmt_shape(block_table.shape)}")
     if null_page is not None and (isinstance(null_page, bool) or not isinstance(null_page, int)):
         raise TypeError(f"null_page: expected None or an int, got {type(null_page).__name__}")
-    ks, vs = _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
-                          layout, rank, device, kc.num_heads)
+    if fmt.block_size:
+        ks, vs = _block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
+                                    kc, vc, layout, rank, device, kc.num_heads, fmt)
+    else:
+        ks, vs = _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
+                              layout, rank, device, kc.num_heads)
+    os = check_out_scale(out_scale, dtype, device)
     batch, pages_per_seq = block_table.shape
     return DequantArgs(batch, pages_per_seq, block_table, kc, vc, fmt, dtype, layout, rank,
-                       null_page, ks, vs, kv_cache is not None, pad)
+                       null_page, ks, vs, kv_cache is not None, pad, os)
 
 
 def frontend_args(info, array_type: type, arrays: dict, scales: dict) -> dict:
@@ -361,9 +498,9 @@ def frontend_args(info, array_type: type, arrays: dict, scales: dict) -> dict:
 
 
 def dequantized_shape(args: DequantArgs, combined: bool) -> tuple[int, ...]:
-    """Shape of ``key_pages`` (or of the combined output)."""
-    return pages_shape(args.key_cache, args.layout, args.cache_rank,
-                       args.batch * args.pages_per_seq, combined)
+    """Shape of ``key_pages`` (or of the combined output): ``head_dim`` elements per head row."""
+    return pages_shape(replace(args.key_cache, head_dim=args.head_dim), args.layout,
+                       args.cache_rank, args.batch * args.pages_per_seq, combined)
 
 
 def check_out(out: ArrayInfo, name: str, shape, dtype: str, device: str) -> None:

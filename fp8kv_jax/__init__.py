@@ -43,19 +43,24 @@ ScaleCache = Union[jax.Array, str, None]
 _SIDE_ARRAYS = ("key_scale_cache", "value_scale_cache")
 
 
-def _scales(key_scale, value_scale, key_scale_cache, value_scale_cache) -> dict:
-    """The scale arguments by name, NumPy arrays made JAX arrays (the core checks the rest)."""
-    return dict(zip(("key_scale", "value_scale") + _SIDE_ARRAYS,
-                    as_scales(key_scale, value_scale, key_scale_cache, value_scale_cache)))
+def _scales(key_scale, value_scale, key_scale_cache, value_scale_cache, out_scale=None) -> dict:
+    """The scale arguments by name, NumPy arrays made JAX arrays (the core checks the rest);
+    ``out_scale`` (dequantize) only where given."""
+    names = ("key_scale", "value_scale") + _SIDE_ARRAYS + (("out_scale",) if out_scale is not None
+                                                           else ())
+    return dict(zip(names, as_scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
+                                     out_scale)))
 
 
-def _write(arrays: dict, scales: dict, layout, fp8_format, scale_rounding, check_bounds):
+def _write(arrays: dict, scales: dict, layout, fp8_format, scale_rounding, check_bounds,
+           cache_format=None):
     """The new caches (``arrays``' cache entries, in order), then the new side scale arrays
     (None for a side without one) if any is given."""
     check_flag(check_bounds, "check_bounds")
     arrays = {name: as_array(x, name) for name, x in arrays.items()}
     args = check_write(**frontend_args(_args.info, jax.Array, arrays, scales), layout=layout,
-                       fp8_format=fp8_format, scale_rounding=scale_rounding)
+                       fp8_format=fp8_format, scale_rounding=scale_rounding,
+                       cache_format=cache_format)
     if check_bounds:
         check_slots_in_range(_args.host_values(arrays["slots"], "slots"),
                              args.key_cache.num_slots)
@@ -76,8 +81,10 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
              slots: jax.Array, key_scale: Scale = None, value_scale: Scale = None, *,
              layout: str = "NHD", fp8_format: str | None = None,
              key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
-             scale_rounding: str = "exact", check_bounds: bool = False) -> tuple:
-    """Quantize ``key``/``value`` to FP8 and write them into a paged cache, in one launch.
+             scale_rounding: str = "exact", check_bounds: bool = False,
+             cache_format: str | None = None) -> tuple:
+    """Quantize ``key``/``value`` to FP8 (or NVFP4) and write them into a paged cache, in one
+    launch.
 
     Parameters
     ----------
@@ -119,14 +126,23 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
         Debugging aid (off by default): read ``slots`` on the host and raise ``ValueError`` if a
         slot is past the cache (instead of skipping it). Needs concrete arrays: refused
         (``TypeError``) under ``jax.jit``.
+    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
+        The cache's format (pass it or ``fp8_format``, not both). ``"nvfp4"`` (docs/SPEC.md
+        section 13): ``uint8`` caches of ``head_dim / 2`` bytes per head row (NHD
+        ``[num_pages, page_size, H, D/2]``, HND ``[num_pages, H, page_size, D/2]``,
+        ``[num_slots, H, D/2]``; ``head_dim`` a multiple of 16), two E2M1 codes per byte;
+        ``key_scale_cache``/``value_scale_cache`` (required) hold the e4m3 block scales,
+        ``float8_e4m3fn`` or ``uint8`` arrays of the caches' shape with last dim ``D/16``;
+        ``key_scale``/``value_scale`` are the global scales.
 
     Returns
     -------
     key_cache, value_cache : jax.Array
         The caches with the tokens written; every byte that no written slot names is unchanged.
     key_scale_cache, value_scale_cache : jax.Array or None
-        Only when a side scale array is given (for K or V): the arrays with the written tokens'
-        scales (None for a side without a side array). Donate them like the caches.
+        Only when a side scale array is given (for K or V; always for nvfp4: the block scales):
+        the arrays with the written tokens' scales (None for a side without a side array).
+        Donate them like the caches.
 
     Note
     ----
@@ -145,18 +161,34 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
     ...                                       jnp.array([5]), key_scale=0.5)
     >>> k_cache[1, 1, 0].astype(jnp.float32).tolist()
     [2.0, -4.0, 448.0, 0.625]
+
+    NVFP4: 16 elements, one block; its amax 6 gives the block scale 1.0 (6 / 6).
+
+    >>> x = jnp.linspace(-6, 6, 16).reshape(1, 1, 16)                   # head_dim 16
+    >>> codes = jnp.zeros((2, 4, 1, 8), jnp.uint8)                      # head_dim / 2 bytes
+    >>> blocks = jnp.zeros((2, 4, 1, 1), jnp.float8_e4m3fn)             # head_dim / 16 scales
+    >>> kc, vc, kb, vb = fp8kv_jax.write_kv(x, x, codes, codes, jnp.array([5]),
+    ...                                     key_scale_cache=blocks, value_scale_cache=blocks,
+    ...                                     cache_format="nvfp4")
+    >>> kb[1, 1, 0].astype(jnp.float32).tolist(), [hex(b) for b in kc[1, 1, 0, :3].tolist()]
+    ([1.0], ['0xff', '0xee', '0xcd'])
+    >>> k, v, table = fp8kv_jax.dequantize_pages(kc, vc, jnp.array([[1]]), key_scale_cache=kb,
+    ...                                          value_scale_cache=vb, cache_format="nvfp4",
+    ...                                          dtype=jnp.float32)
+    >>> k[0, 1, 0, :8].tolist()
+    [-6.0, -6.0, -4.0, -4.0, -3.0, -2.0, -1.0, -0.5]
     """
     return _write(dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                        slots=slots),
                   _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), layout,
-                  fp8_format, scale_rounding, check_bounds)
+                  fp8_format, scale_rounding, check_bounds, cache_format)
 
 
 def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slots: jax.Array,
                       key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
                       fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
                       value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
-                      check_bounds: bool = False):
+                      check_bounds: bool = False, cache_format: str | None = None):
     """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
 
     Parameters
@@ -191,19 +223,19 @@ def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slo
     """
     out = _write(dict(key=key, value=value, kv_cache=kv_cache, slots=slots),
                  _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), layout,
-                 fp8_format, scale_rounding, check_bounds)
+                 fp8_format, scale_rounding, check_bounds, cache_format)
     return out[0] if len(out) == 1 else out
 
 
 def _dequantize(arrays: dict, scales: dict, dtype, layout, fp8_format, null_page, head_dim,
-                check_bounds):
+                check_bounds, cache_format=None):
     """``(key_pages, value_pages, new_block_table)``, or ``(kv_pages, new_block_table)`` for a
     combined ``arrays["kv_cache"]``."""
     check_flag(check_bounds, "check_bounds")
     arrays = {name: as_array(x, name) for name, x in arrays.items()}
     args = check_dequantize(**frontend_args(_args.info, jax.Array, arrays, scales),
                             dtype=_args.dtype_name(dtype), layout=layout, fp8_format=fp8_format,
-                            null_page=null_page, head_dim=head_dim)
+                            null_page=null_page, head_dim=head_dim, cache_format=cache_format)
     if check_bounds:
         check_table_in_range(_args.host_values(arrays["block_table"], "block_table"),
                              args.key_cache.num_pages, null_page)
@@ -214,6 +246,7 @@ def _dequantize(arrays: dict, scales: dict, dtype, layout, fp8_format, null_page
         return (pages,) * (len(outputs) - 1) + (table,)
     given = {**arrays, **{name: device_array(s) for name, s in scales.items()}}
     sides = [device_array(scales[name]) for name in _SIDE_ARRAYS]
+    given.setdefault("out_scale", None)
     impl = _triton if _args.use_triton([*arrays.values(), *sides]) else _jnp
     out = impl.dequantize_pages(given, args=args)
     return tuple(out[name] for name in outputs)
@@ -224,7 +257,8 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
                      dtype: DTypeLike = jnp.bfloat16, layout: str = "NHD",
                      fp8_format: str | None = None, null_page: int | None = None,
                      key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
-                     head_dim: int | None = None, check_bounds: bool = False
+                     head_dim: int | None = None, check_bounds: bool = False,
+                     cache_format: str | None = None, out_scale: Scale = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dequantize the pages a block table names into a compact paged cache + renumbered table.
 
@@ -245,6 +279,7 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
     dtype : jnp.bfloat16 (default), jnp.float16 or jnp.float32
         Or the same as a NumPy dtype or by name (``"bfloat16"``, ``"float16"``, ``"float32"``,
         as ``fp8kv_torch`` takes them).
+        For an nvfp4 cache also ``jnp.float8_e4m3fn``: an FP8 workspace, with ``out_scale``.
     layout : {"NHD", "HND"}
     fp8_format : {None, "e4m3", "e5m2"}
     null_page : int, optional
@@ -260,6 +295,13 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
         Debugging aid (off by default): read ``block_table`` on the host and raise
         ``ValueError`` if an entry is past the cache (instead of giving a zero page). Needs
         concrete arrays: refused (``TypeError``) under ``jax.jit``.
+    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
+        As in :func:`write_kv`. ``"nvfp4"``: block scales in ``key_scale_cache`` /
+        ``value_scale_cache``, global scales in ``key_scale`` / ``value_scale``; the pages hold
+        ``head_dim = 2 x`` the caches' last dimension elements per head row.
+    out_scale : None, float or jax.Array
+        With ``dtype=jnp.float8_e4m3fn``: the FP8 output's dequant scale, ``out =
+        e4m3(value / out_scale)`` (a float32 ``[]``/``[1]`` array may be traced).
 
     Returns
     -------
@@ -285,8 +327,9 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
     ([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], [[0, 1]])
     """
     return _dequantize(dict(key_cache=key_cache, value_cache=value_cache, block_table=block_table),
-                       _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), dtype,
-                       layout, fp8_format, null_page, head_dim, check_bounds)
+                       _scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
+                               out_scale), dtype,
+                       layout, fp8_format, null_page, head_dim, check_bounds, cache_format)
 
 
 def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_scale: Scale = None,
@@ -294,7 +337,8 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
                               layout: str = "NHD", fp8_format: str | None = None,
                               null_page: int | None = None, key_scale_cache: ScaleCache = None,
                               value_scale_cache: ScaleCache = None,
-                              head_dim: int | None = None, check_bounds: bool = False
+                              head_dim: int | None = None, check_bounds: bool = False,
+                              cache_format: str | None = None, out_scale: Scale = None
                               ) -> tuple[jax.Array, jax.Array]:
     """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
 
@@ -330,8 +374,9 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
     ((1, 2, 1, 1, 2), [-1.0, -1.0])
     """
     return _dequantize(dict(kv_cache=kv_cache, block_table=block_table),
-                       _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), dtype,
-                       layout, fp8_format, null_page, head_dim, check_bounds)
+                       _scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
+                               out_scale), dtype,
+                       layout, fp8_format, null_page, head_dim, check_bounds, cache_format)
 
 
 def _rope_write(arrays: dict, scales: dict, query_scale, query_out, return_key, rope_style,

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8kv.formats import CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR
+from fp8kv.formats import CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, E4M3, FP8_OUTPUT_DTYPE, NVFP4
 from fp8kv.modes import ScaleKind, SideScale
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -54,6 +54,11 @@ def _dequantize(codes, scale, fmt, out_dtype: str, keep):
     v = lax.bitcast_convert_type(codes, jnp.dtype(fmt.dtype)).astype(jnp.float32)
     if scale is not None:
         v = v * scale
+    return _round_output(v, out_dtype, keep)
+
+
+def _round_output(v, out_dtype: str, keep):
+    """fp32 ``v`` rounded to ``out_dtype``, canonical NaNs, zeros where ``keep`` is False."""
     uint = _UINT[jnp.dtype(out_dtype).itemsize]
     bits = lax.bitcast_convert_type(v.astype(out_dtype), uint)
     bits = jnp.where(jnp.isnan(v), uint(CANONICAL_NAN_BITS[out_dtype]), bits)
@@ -116,6 +121,8 @@ def write_kv(arrays: dict, *, args) -> dict:
     """The updated arrays by argument name, from ``arrays`` (the call's, by argument name; None
     for an absent scale): the caches (``kv_cache`` when ``args.combined``), then each side
     scale array given."""
+    if args.fmt.block_size:
+        return _write_nvfp4(arrays, args)
     combined = args.combined
     slots = arrays["slots"]
     qk, sk = _quantize_side(arrays["key"], arrays["key_scale"], args.key_scale, args)
@@ -168,6 +175,8 @@ def _stored_scales(scale_cache, codes, index, num_pages, kind, args):
 def dequantize_pages(arrays: dict, *, args) -> dict:
     """The outputs by argument name (``key_out``, ``value_out``, ``table_out``; ``kv_out``,
     ``table_out`` when ``args.combined``) from ``arrays`` (the call's, by argument name)."""
+    if args.fmt.block_size:
+        return _dequantize_nvfp4(arrays, args)
     num_pages = args.key_cache.num_pages
     block_table = arrays["block_table"]
     entries = block_table.reshape(-1)
@@ -316,3 +325,111 @@ def rope_write_kv(arrays: dict, *, args) -> dict:
     if args.key_out is not None:
         out["key_out"] = _rounded(yk, args.write.key.dtype, ok)
     return out
+
+
+# NVFP4 (docs/SPEC.md section 13), as fp8kv.reference.quantize_nvfp4 / dequantize_nvfp4.
+
+_E2M1 = jnp.array(NVFP4.magnitudes, jnp.float32)
+# |y| passes boundary k (its code is the number passed): strictly for the ties that round down.
+_E2M1_BOUNDARIES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                    (3.5, True), (5.0, False))
+
+
+def _sign_bits(x):
+    """1 where ``x``'s sign bit is set (read from its own bits: XLA:CPU may flush subnormals)."""
+    bits = lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+    return (bits >> (8 * x.dtype.itemsize - 1)).astype(jnp.uint8)
+
+
+def _quantize_nvfp4(x, g):
+    """``(codes [T, H, D/2], block scales [T, H, D/16])``, uint8, of ``x`` ``[T, H, D]`` with
+    global scale ``g`` (None, a scalar or ``[H, 1]``)."""
+    t, h, d = x.shape
+    blocks = x.astype(jnp.float32).reshape(t, h, d // NVFP4.block_size, NVFP4.block_size)
+    g = jnp.float32(1.0) if g is None else g
+    a = jnp.abs(blocks)
+    amax = jnp.where(jnp.isnan(a), jnp.float32(0.0), a).max(axis=-1)            # [T, H, NB]
+    # Divisors behind barriers: XLA would divide by a multiply with an inexact reciprocal.
+    s = amax / lax.optimization_barrier(jnp.broadcast_to(jnp.float32(6.0) * g, amax.shape))
+    sf = _quantize(s, None, E4M3)
+    scale = lax.bitcast_convert_type(sf, jnp.dtype(E4M3.dtype)).astype(jnp.float32) * g
+    y = blocks / lax.optimization_barrier(jnp.broadcast_to(scale[..., None], blocks.shape))
+    a = jnp.abs(y)
+    mag = sum(((a >= b) if ties_up else (a > b)).astype(jnp.uint8)
+              for b, ties_up in _E2M1_BOUNDARIES)
+    sign = _sign_bits(x).reshape(blocks.shape)
+    code = jnp.where(jnp.isnan(y) | (scale == 0)[..., None], jnp.uint8(0), mag | (sign << 3))
+    code = code.reshape(t, h, d)
+    return code[..., 0::2] | (code[..., 1::2] << 4), sf
+
+
+def _write_nvfp4(arrays: dict, args) -> dict:
+    """:func:`write_kv` of an nvfp4 cache: codes into the cache, block scales into the
+    ``*_scale_cache`` arrays."""
+    combined = args.combined
+    slots = arrays["slots"]
+    qk, bk = _quantize_nvfp4(arrays["key"], _scale(arrays["key_scale"], args.key_scale, 1))
+    qv, bv = _quantize_nvfp4(arrays["value"], _scale(arrays["value_scale"], args.value_scale, 1))
+    cache = arrays["kv_cache" if combined else "key_cache"]
+    rank = cache.ndim - combined
+    index = _slot_index(slots, args.key_cache, args.layout, rank, combined)
+    if combined:
+        out = {"kv_cache": _scatter(cache, index, jnp.stack([qk, qv], axis=1))}
+    else:
+        out = {"key_cache": _scatter(cache, index, qk),
+               "value_cache": _scatter(arrays["value_cache"], index, qv)}
+    index = _slot_index(slots, args.key_cache, args.layout, rank, False)
+    out["key_scale_cache"] = _scatter(arrays["key_scale_cache"], index, bk)
+    out["value_scale_cache"] = _scatter(arrays["value_scale_cache"], index, bv)
+    return out
+
+
+def _nvfp4_values(codes, blocks, g):
+    """fp32 ``(e2m1 * block scale) * g`` of gathered codes ``[..., D/2]`` and block scales
+    ``[..., D/16]``; ``g`` broadcasts against ``[..., D/16, 16]``."""
+    nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1)
+    nibbles = nibbles.reshape(blocks.shape + (NVFP4.block_size,))
+    mag = _E2M1[nibbles & 0x7]
+    e2m1 = jnp.where((nibbles & 0x8) != 0, -mag, mag)
+    sv = lax.bitcast_convert_type(blocks, jnp.dtype(E4M3.dtype)).astype(jnp.float32)
+    v = e2m1 * sv[..., None]                                   # exact: 6 significant bits
+    if g is not None:
+        v = v * g
+    return v.reshape(codes.shape[:-1] + (2 * codes.shape[-1],))
+
+
+def _dequantize_nvfp4(arrays: dict, args) -> dict:
+    """:func:`dequantize_pages` of an nvfp4 cache (bf16/fp16/fp32 or an e4m3 workspace)."""
+    num_pages = args.key_cache.num_pages
+    block_table = arrays["block_table"]
+    entries = block_table.reshape(-1)
+    keep = _in_range(entries, num_pages)
+    info = jnp.iinfo(entries.dtype)
+    if args.null_page is not None and info.min <= args.null_page <= info.max:
+        keep &= entries != args.null_page
+    index = jnp.where(keep, entries, num_pages)
+    keep = keep.reshape((-1,) + (1,) * (args.cache_rank - 1))
+    # The global scale broadcasts against [N, (S,) H, (S,) D/16, 16]: dims after the heads.
+    trailing = 3 if args.layout == "HND" and args.cache_rank == 4 else 2
+    if args.combined:
+        pages = _gather(arrays["kv_cache"], index, num_pages)
+        codes = pages[:, 0], pages[:, 1]
+    else:
+        codes = (_gather(arrays["key_cache"], index, num_pages),
+                 _gather(arrays["value_cache"], index, num_pages))
+    sides = []
+    for c, side, scale in ((codes[0], "key", args.key_scale),
+                           (codes[1], "value", args.value_scale)):
+        blocks = _gather(arrays[f"{side}_scale_cache"], index, num_pages)
+        v = _nvfp4_values(c, blocks, _scale(arrays[f"{side}_scale"], scale, trailing))
+        if args.out_dtype == FP8_OUTPUT_DTYPE:
+            q = _quantize(v, _scale(arrays["out_scale"], args.out_scale, 0), E4M3)
+            sides.append(lax.bitcast_convert_type(jnp.where(keep, q, jnp.uint8(0)),
+                                                  jnp.dtype(FP8_OUTPUT_DTYPE)))
+        else:
+            sides.append(_round_output(v, args.out_dtype, keep))
+    k, v = sides
+    new_table = jnp.arange(entries.size, dtype=jnp.int32).reshape(block_table.shape)
+    if args.combined:
+        return {"kv_out": jnp.stack([k, v], axis=1), "table_out": new_table}
+    return {"key_out": k, "value_out": v, "table_out": new_table}

@@ -88,7 +88,8 @@ def write_kv(arrays: dict, *, args) -> dict:
     """As :func:`fp8kv_jax._jnp.write_kv`."""
     from fp8kv import ops  # imports Triton: only on this path
 
-    return _launch(ops._write_kv_kernel, plan_write(args, CUDA), write_operands(args), arrays)
+    plan = plan_write(args, CUDA)
+    return _launch(getattr(ops, plan.kernel), plan, write_operands(args), arrays)
 
 
 @functools.partial(jax.jit, static_argnames=("args",))
@@ -102,7 +103,7 @@ def dequantize_pages(arrays: dict, *, args) -> dict:
     pages = jax.ShapeDtypeStruct(shape, jnp.dtype(args.out_dtype))
     table = jax.ShapeDtypeStruct((args.batch, args.pages_per_seq), jnp.int32)
     new = {"key_out": pages, "value_out": pages, "kv_out": pages, "table_out": table}
-    return _launch(ops._dequantize_pages_kernel, plan, dequantize_operands(args), arrays, new)
+    return _launch(getattr(ops, plan.kernel), plan, dequantize_operands(args), arrays, new)
 
 
 @functools.partial(jax.jit, static_argnames=("args",))

@@ -18,7 +18,7 @@ from . import _launch
 from ._fast import FastPathWarning
 from ._spelling import output_dtype
 from ._ops import (dequantize_pages_combined_op, dequantize_pages_op, rope_write_kv_combined_op,
-                   rope_write_kv_op, split_scales, write_kv_combined_op, write_kv_op)
+                   rope_write_kv_op, split_scale, split_scales, write_kv_combined_op, write_kv_op)
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
            "rope_write_kv", "rope_write_kv_combined", "FastPathWarning"]
@@ -29,7 +29,7 @@ ScaleCache = Union[Tensor, str, None]
 
 
 def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
+           key_scale_cache, value_scale_cache, scale_rounding, check_bounds, cache_format):
     """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op."""
     check_flag(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
     combined = len(caches) == 1
@@ -39,20 +39,23 @@ def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format
         scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
                                             value_scale_cache)
         op = write_kv_combined_op if combined else write_kv_op
-        op(key, value, *caches, slots, *scales, layout, fp8_format, *scale_caches, scale_rounding)
+        op(key, value, *caches, slots, *scales, layout, fp8_format, *scale_caches, scale_rounding,
+           cache_format)
     else:
         launcher = _launch.write_kv_combined if combined else _launch.write_kv
         launcher(key, value, *caches, slots, key_scale, value_scale, layout, fp8_format,
                  key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache,
-                 scale_rounding=scale_rounding, check_bounds=check_bounds)
+                 scale_rounding=scale_rounding, check_bounds=check_bounds,
+                 cache_format=cache_format)
 
 
 def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor,
              key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
              fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
              value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
-             check_bounds: bool = False) -> None:
-    """Quantize ``key``/``value`` to FP8 and write them into a paged cache, in one launch.
+             check_bounds: bool = False, cache_format: str | None = None) -> None:
+    """Quantize ``key``/``value`` to FP8 (or NVFP4) and write them into a paged cache, in one
+    launch.
 
     Parameters
     ----------
@@ -96,6 +99,14 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
         ``slots`` on the host and raise ``ValueError`` if a slot is past the cache (instead of
         skipping it). A device sync: refused (``RuntimeError``) inside CUDA-graph capture and
         under ``torch.compile``.
+    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
+        The cache's format (pass it or ``fp8_format``, not both). ``"nvfp4"`` (docs/SPEC.md
+        section 13): ``uint8`` caches of ``head_dim / 2`` bytes per head row (NHD
+        ``[num_pages, page_size, H, D/2]``, HND ``[num_pages, H, page_size, D/2]``,
+        ``[num_slots, H, D/2]``; ``head_dim`` a multiple of 16), two E2M1 codes per byte;
+        ``key_scale_cache``/``value_scale_cache`` (required) hold the e4m3 block scales,
+        ``float8_e4m3fn`` or ``uint8`` tensors of the caches' shape with last dim ``D/16``;
+        ``key_scale``/``value_scale`` are the global scales.
 
     Returns
     -------
@@ -116,16 +127,28 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     >>> fp8kv_torch.write_kv(key, key, k_cache, v_cache, torch.tensor([5]), key_scale=0.5)
     >>> k_cache[1, 1, 0].float().tolist()
     [2.0, -4.0, 448.0, 0.625]
+
+    NVFP4: 16 elements, one block; its amax 6 gives the block scale 1.0 (6 / 6).
+
+    >>> x = torch.linspace(-6, 6, 16).reshape(1, 1, 16)                 # head_dim 16
+    >>> codes = torch.zeros(2, 4, 1, 8, dtype=torch.uint8)              # head_dim / 2 bytes
+    >>> blocks = torch.zeros(2, 4, 1, 1, dtype=torch.float8_e4m3fn)     # head_dim / 16 scales
+    >>> fp8kv_torch.write_kv(x, x, codes, codes.clone(), torch.tensor([5]),
+    ...                      key_scale_cache=blocks, value_scale_cache=blocks.clone(),
+    ...                      cache_format="nvfp4")
+    >>> blocks[1, 1, 0].float().tolist(), [hex(b) for b in codes[1, 1, 0, :3].tolist()]
+    ([1.0], ['0xff', '0xee', '0xcd'])
     """
     _write(key, value, (key_cache, value_cache), slots, key_scale, value_scale, layout,
-           fp8_format, key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
+           fp8_format, key_scale_cache, value_scale_cache, scale_rounding, check_bounds,
+           cache_format)
 
 
 def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor,
                       key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
                       fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
                       value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
-                      check_bounds: bool = False) -> None:
+                      check_bounds: bool = False, cache_format: str | None = None) -> None:
     """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
 
     Parameters
@@ -149,11 +172,12 @@ def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tenso
     [[56, 56, 56, 56], [184, 184, 184, 184]]
     """
     _write(key, value, (kv_cache,), slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
+           key_scale_cache, value_scale_cache, scale_rounding, check_bounds, cache_format)
 
 
 def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
-                null_page, out, key_scale_cache, value_scale_cache, head_dim, check_bounds):
+                null_page, out, key_scale_cache, value_scale_cache, head_dim, check_bounds,
+                cache_format, out_scale):
     """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op; returns
     the outputs, one per page array, then the new block table."""
     check_flag(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
@@ -175,17 +199,18 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
         if outs is None:
             outs = launcher(*caches, block_table, key_scale, value_scale, dtype, layout,
                             fp8_format, null_page, launch=False, key_scale_cache=key_scale_cache,
-                            value_scale_cache=value_scale_cache, head_dim=head_dim)
+                            value_scale_cache=value_scale_cache, head_dim=head_dim,
+                            cache_format=cache_format, out_scale=out_scale)
         scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
                                             value_scale_cache)
         op = dequantize_pages_combined_op if combined else dequantize_pages_op
         op(*caches, block_table, *scales, layout, fp8_format, null_page, *outs, *scale_caches,
-           head_dim)
+           head_dim, cache_format, *split_scale(out_scale))
         return outs
     return launcher(*caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
                     null_page, outs, key_scale_cache=key_scale_cache,
                     value_scale_cache=value_scale_cache, head_dim=head_dim,
-                    check_bounds=check_bounds)
+                    check_bounds=check_bounds, cache_format=cache_format, out_scale=out_scale)
 
 
 def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
@@ -194,7 +219,8 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
                      fp8_format: str | None = None, null_page: int | None = None,
                      out: Sequence[Tensor] | None = None, key_scale_cache: ScaleCache = None,
                      value_scale_cache: ScaleCache = None,
-                     head_dim: int | None = None, check_bounds: bool = False
+                     head_dim: int | None = None, check_bounds: bool = False,
+                     cache_format: str | None = None, out_scale: Scale = None
                      ) -> tuple[Tensor, Tensor, Tensor]:
     """Dequantize the pages a block table names into a compact paged cache + renumbered table.
 
@@ -210,7 +236,9 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
         As in :func:`write_kv`: ``out = round(fp32(decode(q)) * scale)``.
     dtype : torch.dtype or str
         ``torch.bfloat16`` (default), ``torch.float16`` or ``torch.float32``, or the same by name
-        (``"bfloat16"``, ``"float16"``, ``"float32"``, as ``fp8kv_jax`` takes them).
+        (``"bfloat16"``, ``"float16"``, ``"float32"``, as ``fp8kv_jax`` takes them); for an nvfp4
+        cache also ``torch.float8_e4m3fn`` / ``"float8_e4m3fn"`` (an FP8 workspace, with
+        ``out_scale``).
     layout : {"NHD", "HND"}
     fp8_format : {None, "e4m3", "e5m2"}
     null_page : int, optional
@@ -229,6 +257,13 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
         Debugging aid (off by default): read ``block_table`` on the host and raise
         ``ValueError`` if an entry is past the cache (instead of giving a zero page). A device
         sync: refused (``RuntimeError``) inside CUDA-graph capture and under ``torch.compile``.
+    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
+        As in :func:`write_kv`. ``"nvfp4"``: the block scales in ``key_scale_cache`` /
+        ``value_scale_cache``, the global scales in ``key_scale`` / ``value_scale``; the pages
+        hold ``head_dim = 2 x`` the caches' last dimension elements per head row.
+    out_scale : None, float or torch.Tensor
+        With ``dtype=torch.float8_e4m3fn``: the FP8 output's dequant scale, ``out =
+        e4m3(value / out_scale)`` (a float32 ``[]``/``[1]`` tensor is read on the device).
 
     Returns
     -------
@@ -250,10 +285,26 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
     >>> k, v, table = fp8kv_torch.dequantize_pages(cache, cache, table, key_scale=0.5)
     >>> k[:, 0, 0].tolist(), table.tolist()
     ([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], [[0, 1]])
+
+    NVFP4 codes (two per byte, low nibble first) with block scale 2.0 (e4m3 0x40), as bf16 and as
+    an FP8 workspace with ``out_scale`` 0.5:
+
+    >>> codes = torch.full((1, 1, 1, 8), 0x9A, dtype=torch.uint8)     # 0xA: -1.0, 0x9: -0.5
+    >>> blocks = torch.full((1, 1, 1, 1), 0x40, dtype=torch.uint8)
+    >>> table = torch.tensor([[0]], dtype=torch.int32)
+    >>> k, _, _ = fp8kv_torch.dequantize_pages(codes, codes, table, key_scale_cache=blocks,
+    ...                                         value_scale_cache=blocks, cache_format="nvfp4")
+    >>> k[0, 0, 0, :4].tolist()
+    [-2.0, -1.0, -2.0, -1.0]
+    >>> k, _, _ = fp8kv_torch.dequantize_pages(codes, codes, table, key_scale_cache=blocks,
+    ...                                         value_scale_cache=blocks, cache_format="nvfp4",
+    ...                                         dtype=torch.float8_e4m3fn, out_scale=0.5)
+    >>> k[0, 0, 0, :2].float().tolist()
+    [-4.0, -2.0]
     """
     return _dequantize((key_cache, value_cache), block_table, key_scale, value_scale, dtype,
                        layout, fp8_format, null_page, out, key_scale_cache, value_scale_cache,
-                       head_dim, check_bounds)
+                       head_dim, check_bounds, cache_format, out_scale)
 
 
 def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: Scale = None,
@@ -264,7 +315,8 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
                               out: Sequence[Tensor] | None = None,
                               key_scale_cache: ScaleCache = None,
                               value_scale_cache: ScaleCache = None,
-                              head_dim: int | None = None, check_bounds: bool = False
+                              head_dim: int | None = None, check_bounds: bool = False,
+                              cache_format: str | None = None, out_scale: Scale = None
                               ) -> tuple[Tensor, Tensor]:
     """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
 
@@ -296,7 +348,7 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
     """
     return _dequantize((kv_cache,), block_table, key_scale, value_scale, dtype, layout,
                        fp8_format, null_page, out, key_scale_cache, value_scale_cache, head_dim,
-                       check_bounds)
+                       check_bounds, cache_format, out_scale)
 
 
 def _rope_write(query, key, value, caches, slots, positions, cos_sin_cache, key_scale,

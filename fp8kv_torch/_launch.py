@@ -42,9 +42,11 @@ ARGUMENTS = {
     "write_combined": ("key", "value", "kv_cache", "slots", "key_scale", "value_scale",
                        "key_scale_cache", "value_scale_cache"),
     "dequantize": ("key_cache", "value_cache", "block_table", "key_scale", "value_scale",
-                   "key_scale_cache", "value_scale_cache", "key_out", "value_out", "table_out"),
+                   "key_scale_cache", "value_scale_cache", "out_scale", "key_out", "value_out",
+                   "table_out"),
     "dequantize_combined": ("kv_cache", "block_table", "key_scale", "value_scale",
-                            "key_scale_cache", "value_scale_cache", "kv_out", "table_out"),
+                            "key_scale_cache", "value_scale_cache", "out_scale", "kv_out",
+                            "table_out"),
     # query_out last: an allocating call leaves it out and makes it per call.
     "rope_write": ("query", "key", "value", "key_cache", "value_cache", "slots", "positions",
                    "cos_sin_cache", "key_scale", "value_scale", "query_scale", "key_scale_cache",
@@ -53,7 +55,7 @@ ARGUMENTS = {
                             "cos_sin_cache", "key_scale", "value_scale", "query_scale",
                             "key_scale_cache", "value_scale_cache", "key_out", "query_out"),
 }
-_SCALES = ("key_scale", "value_scale", "key_scale_cache", "value_scale_cache")
+_SCALES = ("key_scale", "value_scale", "key_scale_cache", "value_scale_cache", "out_scale")
 _OUTPUTS = ("key_out", "value_out", "kv_out", "table_out")
 _OUT_NAMES = {"key_out": "out[0]", "value_out": "out[1]", "kv_out": "out[0]",
               "table_out": "out[-1]"}
@@ -258,19 +260,21 @@ def _split(op: str, args: tuple) -> tuple[dict, dict]:
     them (outputs apart)."""
     named = dict(zip(ARGUMENTS[op], args))
     arrays = {n: a for n, a in named.items() if n not in _SCALES and n not in _OUTPUTS}
-    return arrays, {n: named[n] for n in _SCALES}
+    return arrays, {n: named[n] for n in _SCALES if n in named}
 
 
 def _write(op: str, args: tuple, layout, fp8_format, scale_rounding, exact, launch,
-           check_bounds) -> None:
+           check_bounds, cache_format=None) -> None:
     ready_key = None
     if launch and exact is None and not check_bounds:
-        served, ready_key = _cached_launch(op, args, typed((layout, fp8_format, scale_rounding)))
+        served, ready_key = _cached_launch(op, args, typed((layout, fp8_format, scale_rounding,
+                                                            cache_format)))
         if served:
             return
     arrays, scales = _split(op, args)
     valid = check_write(**frontend_args(info, torch.Tensor, arrays, scales), layout=layout,
-                        fp8_format=fp8_format, scale_rounding=scale_rounding)
+                        fp8_format=fp8_format, scale_rounding=scale_rounding,
+                        cache_format=cache_format)
     if check_bounds:
         check_slots_in_range(host_values(arrays["slots"], "slots"), valid.key_cache.num_slots)
     key = arrays["key"]
@@ -280,13 +284,13 @@ def _write(op: str, args: tuple, layout, fp8_format, scale_rounding, exact, laun
     plan = plan_write(valid, backend, exact)
     if plan.empty:
         return
-    _launch(ops._write_kv_kernel, plan, backend, key.device, write_operands(valid), ARGUMENTS[op],
-            args, ready_key)
+    _launch(getattr(ops, plan.kernel), plan, backend, key.device, write_operands(valid),
+            ARGUMENTS[op], args, ready_key)
 
 
 def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
              exact=None, launch=True, key_scale_cache=None, value_scale_cache=None,
-             scale_rounding="exact", check_bounds=False):
+             scale_rounding="exact", check_bounds=False, cache_format=None):
     """Validate, plan and launch one write.
 
     ``exact`` forces the exact (True) or hardware (False) conversions; ``launch=False`` only
@@ -294,16 +298,16 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, 
     """
     _write("write", (key, value, key_cache, value_cache, slots, key_scale, value_scale,
                      key_scale_cache, value_scale_cache),
-           layout, fp8_format, scale_rounding, exact, launch, check_bounds)
+           layout, fp8_format, scale_rounding, exact, launch, check_bounds, cache_format)
 
 
 def write_kv_combined(key, value, kv_cache, slots, key_scale, value_scale, layout, fp8_format,
                       exact=None, launch=True, key_scale_cache=None, value_scale_cache=None,
-                      scale_rounding="exact", check_bounds=False):
+                      scale_rounding="exact", check_bounds=False, cache_format=None):
     """:func:`write_kv` into one combined ``kv_cache``."""
     _write("write_combined", (key, value, kv_cache, slots, key_scale, value_scale,
                               key_scale_cache, value_scale_cache),
-           layout, fp8_format, scale_rounding, exact, launch, check_bounds)
+           layout, fp8_format, scale_rounding, exact, launch, check_bounds, cache_format)
 
 
 @functools.cache
@@ -354,11 +358,12 @@ _new_outputs = functools.lru_cache(maxsize=256)(_NewOutputs)
 
 
 def _dequantize(op: str, args: tuple, outs, dtype, layout, fp8_format, null_page, head_dim,
-                exact, launch, check_bounds) -> tuple:
+                exact, launch, check_bounds, cache_format=None) -> tuple:
     ready_key = None
     allocating = outs is None
     if launch and exact is None and not check_bounds:
-        options = typed((dtype, layout, fp8_format, null_page, head_dim, allocating))
+        options = typed((dtype, layout, fp8_format, null_page, head_dim, allocating,
+                         cache_format))
         served, result = _cached_launch(op, args + (outs or ()), options)
         if served:
             return outs or result
@@ -367,7 +372,7 @@ def _dequantize(op: str, args: tuple, outs, dtype, layout, fp8_format, null_page
     arrays, scales = _split(op, args)
     valid = check_dequantize(**frontend_args(info, torch.Tensor, arrays, scales),
                              dtype=dtype_name(dtype), layout=layout, fp8_format=fp8_format,
-                             null_page=null_page, head_dim=head_dim)
+                             null_page=null_page, head_dim=head_dim, cache_format=cache_format)
     if check_bounds:
         check_table_in_range(host_values(arrays["block_table"], "block_table"),
                              valid.key_cache.num_pages, null_page)
@@ -399,7 +404,7 @@ def _dequantize(op: str, args: tuple, outs, dtype, layout, fp8_format, null_page
     if plan.empty:
         return outs
     values = args + tuple(outs)
-    _launch(ops._dequantize_pages_kernel, plan, backend, first.device, dequantize_operands(valid),
+    _launch(getattr(ops, plan.kernel), plan, backend, first.device, dequantize_operands(valid),
             ARGUMENTS[op], values, ready_key, new_outputs)
     return outs
 
@@ -407,27 +412,27 @@ def _dequantize(op: str, args: tuple, outs, dtype, layout, fp8_format, null_page
 def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
                      fp8_format, null_page, outs=None, exact=None, launch=True,
                      key_scale_cache=None, value_scale_cache=None, head_dim=None,
-                     check_bounds=False) -> tuple:
+                     check_bounds=False, cache_format=None, out_scale=None) -> tuple:
     """Validate, plan and launch one dequantize; returns ``(key_out, value_out, table_out)``.
 
     ``outs``: preallocated ``(key_out, value_out, table_out)``, or None to allocate them.
     """
     return _dequantize("dequantize", (key_cache, value_cache, block_table, key_scale, value_scale,
-                                      key_scale_cache, value_scale_cache),
+                                      key_scale_cache, value_scale_cache, out_scale),
                        None if outs is None else tuple(outs), dtype, layout, fp8_format,
-                       null_page, head_dim, exact, launch, check_bounds)
+                       null_page, head_dim, exact, launch, check_bounds, cache_format)
 
 
 def dequantize_pages_combined(kv_cache, block_table, key_scale, value_scale, dtype, layout,
                               fp8_format, null_page, outs=None, exact=None, launch=True,
                               key_scale_cache=None, value_scale_cache=None, head_dim=None,
-                              check_bounds=False) -> tuple:
+                              check_bounds=False, cache_format=None, out_scale=None) -> tuple:
     """:func:`dequantize_pages` of a combined ``kv_cache``: returns ``(kv_out, table_out)``;
     ``outs``: preallocated ``(kv_out, table_out)`` or None."""
     return _dequantize("dequantize_combined", (kv_cache, block_table, key_scale, value_scale,
-                                               key_scale_cache, value_scale_cache),
+                                               key_scale_cache, value_scale_cache, out_scale),
                        None if outs is None else tuple(outs), dtype, layout, fp8_format,
-                       null_page, head_dim, exact, launch, check_bounds)
+                       null_page, head_dim, exact, launch, check_bounds, cache_format)
 
 
 # rope_write_kv: the arguments validation takes as they are (not necessarily arrays).

@@ -28,6 +28,11 @@ def split_scales(key_scale, value_scale, key_scale_cache, value_scale_cache) -> 
     return (ks, vs, ksv, vsv), (ksc, vsc, ksi, vsi)
 
 
+def split_scale(scale) -> tuple:
+    """``(tensor, float)`` of one scale (a custom op takes no ``float | Tensor``)."""
+    return (scale, None) if isinstance(scale, Tensor) else (None, scale)
+
+
 def _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
             value_scale_cache, key_scale_inline, value_scale_inline) -> dict:
     """The launcher's scale arguments from an op's split ones (:func:`split_scales`)."""
@@ -46,13 +51,15 @@ def _write_kv(launch: bool):
                  key_scale_value: Optional[float], value_scale_value: Optional[float],
                  layout: str, fp8_format: Optional[str], key_scale_cache: Optional[Tensor],
                  value_scale_cache: Optional[Tensor], key_scale_inline: bool,
-                 value_scale_inline: bool, scale_rounding: str) -> None:
+                 value_scale_inline: bool, scale_rounding: str,
+                 cache_format: Optional[str]) -> None:
         s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
                     value_scale_cache, key_scale_inline, value_scale_inline)
         _launch.write_kv(key, value, key_cache, value_cache, slots, s["key_scale"],
                          s["value_scale"], layout, fp8_format, launch=launch,
                          key_scale_cache=s["key_scale_cache"],
-                         value_scale_cache=s["value_scale_cache"], scale_rounding=scale_rounding)
+                         value_scale_cache=s["value_scale_cache"], scale_rounding=scale_rounding,
+                         cache_format=cache_format)
     return write_kv
 
 
@@ -63,14 +70,14 @@ def _write_kv_combined(launch: bool):
                           layout: str, fp8_format: Optional[str],
                           key_scale_cache: Optional[Tensor], value_scale_cache: Optional[Tensor],
                           key_scale_inline: bool, value_scale_inline: bool,
-                          scale_rounding: str) -> None:
+                          scale_rounding: str, cache_format: Optional[str]) -> None:
         s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
                     value_scale_cache, key_scale_inline, value_scale_inline)
         _launch.write_kv_combined(key, value, kv_cache, slots, s["key_scale"], s["value_scale"],
                                   layout, fp8_format, launch=launch,
                                   key_scale_cache=s["key_scale_cache"],
                                   value_scale_cache=s["value_scale_cache"],
-                                  scale_rounding=scale_rounding)
+                                  scale_rounding=scale_rounding, cache_format=cache_format)
     return write_kv_combined
 
 
@@ -83,14 +90,17 @@ def _dequantize_pages(launch: bool):
                          key_out: Tensor, value_out: Tensor, table_out: Tensor,
                          key_scale_cache: Optional[Tensor], value_scale_cache: Optional[Tensor],
                          key_scale_inline: bool, value_scale_inline: bool,
-                         head_dim: Optional[int]) -> None:
+                         head_dim: Optional[int], cache_format: Optional[str],
+                         out_scale: Optional[Tensor], out_scale_value: Optional[float]) -> None:
         s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
                     value_scale_cache, key_scale_inline, value_scale_inline)
         _launch.dequantize_pages(key_cache, value_cache, block_table, s["key_scale"],
                                  s["value_scale"], key_out.dtype, layout, fp8_format, null_page,
                                  (key_out, value_out, table_out), launch=launch,
                                  key_scale_cache=s["key_scale_cache"],
-                                 value_scale_cache=s["value_scale_cache"], head_dim=head_dim)
+                                 value_scale_cache=s["value_scale_cache"], head_dim=head_dim,
+                                 cache_format=cache_format,
+                                 out_scale=out_scale if out_scale is not None else out_scale_value)
     return dequantize_pages
 
 
@@ -103,7 +113,9 @@ def _dequantize_pages_combined(launch: bool):
                                   kv_out: Tensor, table_out: Tensor,
                                   key_scale_cache: Optional[Tensor],
                                   value_scale_cache: Optional[Tensor], key_scale_inline: bool,
-                                  value_scale_inline: bool, head_dim: Optional[int]) -> None:
+                                  value_scale_inline: bool, head_dim: Optional[int],
+                                  cache_format: Optional[str], out_scale: Optional[Tensor],
+                                  out_scale_value: Optional[float]) -> None:
         s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
                     value_scale_cache, key_scale_inline, value_scale_inline)
         _launch.dequantize_pages_combined(kv_cache, block_table, s["key_scale"],
@@ -111,7 +123,9 @@ def _dequantize_pages_combined(launch: bool):
                                           null_page, (kv_out, table_out), launch=launch,
                                           key_scale_cache=s["key_scale_cache"],
                                           value_scale_cache=s["value_scale_cache"],
-                                          head_dim=head_dim)
+                                          head_dim=head_dim, cache_format=cache_format,
+                                          out_scale=(out_scale if out_scale is not None
+                                                     else out_scale_value))
     return dequantize_pages_combined
 
 

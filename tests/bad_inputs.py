@@ -244,11 +244,11 @@ BAD_CALLS = [
 
     # dequantize_pages
     Bad("dequantize-dtype-int8", lambda api, a: dequantize(api, a, dtype=a.dtype("int8")),
-        TypeError, lit("dtype: expected one of 'bfloat16', 'float16', 'float32' (a string, or the "
-                       "framework's dtype of one), got 'int8'")),
+        TypeError, lit("dtype: expected one of 'bfloat16', 'float16', 'float32', 'float8_e4m3fn' "
+                       "(a string, or the framework's dtype of one), got 'int8'")),
     Bad("dequantize-dtype-not-a-dtype", lambda api, a: dequantize(api, a, dtype=1.5), TypeError,
-        lit("dtype: expected one of 'bfloat16', 'float16', 'float32' (a string, or the "
-            "framework's dtype of one), got 1.5")),
+        lit("dtype: expected one of 'bfloat16', 'float16', 'float32', 'float8_e4m3fn' (a string, "
+            "or the framework's dtype of one), got 1.5")),
     Bad("dequantize-table-float32",
         lambda api, a: dequantize(api, a, block_table=TABLE.astype(np.float32)), TypeError,
         lit("block_table: expected dtype int32 or int64, got float32")),

@@ -37,6 +37,10 @@ OPTIONS = [
     ("dequantize_pages", "check_bounds", False, 0),
     ("dequantize_pages_combined", "null_page", 0, False),
     ("dequantize_pages_combined", "value_scale", 1.0, True),
+    ("write_kv", "cache_format", None, 0),
+    ("write_kv_combined", "cache_format", "e4m3", False),
+    ("dequantize_pages", "cache_format", None, 0),
+    ("dequantize_pages", "out_scale", None, True),
 ]
 
 

@@ -365,3 +365,130 @@ def test_rope_small_batch_plan_variants_compile_for_sm90(entries, monkeypatch):
     finally:
         monkeypatch.undo()
         plan_rope_write.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 (docs/SPEC.md section 13): _write_nvfp4_kernel and _dequantize_nvfp4_kernel.
+
+NVFP4_WRITE_VARIANTS = [  # (dtype, layout, global scale, heads, head_dim, page_size, tokens)
+    ("bfloat16", "NHD", "tensor", 8, 128, 16, 4096),   # the bench's shape, large batch
+    ("bfloat16", "HND", "float", 8, 128, 16, 16),      # small batch
+    ("float16", "HND", "head", 6, 80, 16, 64),
+    ("float32", "3D", "none", 1, 16, 1, 7),
+    ("bfloat16", "NHD", "float", 3, 256, 64, 16),
+]
+
+
+def _nvfp4_shape(layout, pages, page_size, heads, width):
+    if layout == "3D":
+        return (pages * page_size, heads, width)
+    if layout == "NHD":
+        return (pages, page_size, heads, width)
+    return (pages, heads, page_size, width)
+
+
+def _nvfp4_scale(kind, heads):
+    if kind == "none":
+        return None
+    if kind == "float":
+        return 0.02
+    return ArrayInfo.contiguous((heads,) if kind == "head" else (), "float32", "cuda:0")
+
+
+def _nvfp4_args(variant, combined=False):
+    dtype, layout, scale, heads, head_dim, page_size, tokens = variant
+    api_layout = "NHD" if layout == "3D" else layout
+    pages = tokens // page_size + 8
+    shape = _nvfp4_shape(layout, pages, page_size, heads, head_dim // 2)
+    blocks = ArrayInfo.contiguous(shape[:-1] + (head_dim // 16,), "float8_e4m3fn", "cuda:0")
+    cache = ArrayInfo.contiguous(shape, "uint8", "cuda:0")
+    caches = (dict(kv_cache=ArrayInfo.contiguous((shape[0], 2) + shape[1:], "uint8", "cuda:0"))
+              if combined else dict(key_cache=cache, value_cache=cache))
+    x = ArrayInfo.contiguous((tokens, heads, head_dim), dtype, "cuda:0")
+    slots = ArrayInfo.contiguous((tokens,), "int64", "cuda:0")
+    s = _nvfp4_scale(scale, heads)
+    args = check_write(x, x, slots=slots, key_scale=s, value_scale=s, layout=api_layout,
+                       fp8_format=None, cache_format="nvfp4", key_scale_cache=blocks,
+                       value_scale_cache=blocks, **caches)
+    arrays = write_operands(args).arrays(dict(
+        key=dtype, value=dtype, key_cache="uint8", value_cache="uint8", kv_cache="uint8",
+        slots="int64", key_scale="float32", value_scale="float32",
+        key_scale_cache="float8_e4m3fn", value_scale_cache="float8_e4m3fn"))
+    return args, arrays
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("variant", NVFP4_WRITE_VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_nvfp4_write_kernel_compiles_for_sm90(variant, exact, combined):
+    args, arrays = _nvfp4_args(variant, combined)
+    plan = plan_write(args, CUDA, exact)
+    assert plan.kernel == "_write_nvfp4_kernel"
+    found = ptx_ops(compile_for_hopper(ops._write_nvfp4_kernel, arrays, plan))
+    assert "ftz" not in " ".join(found)
+    assert "div.rn.f32" in found   # amax / (6 g) and the block reciprocals: IEEE division
+    if not exact:   # e4m3 block scales by the saturating conversion
+        assert any(op.startswith("cvt.rn.satfinite.e4m3x2") for op in found)
+
+
+@pytest.mark.parametrize("int_divisibility", [True, False], ids=["torch-style", "jax-triton-style"])
+def test_nvfp4_default_shapes_get_16_byte_accesses(int_divisibility):
+    """8 heads x 128, bf16: 16-byte loads of K/V and 16-byte stores of codes (each thread owns a
+    group of two blocks); dequantizing 16 x 512 pages: 16-byte code loads and output stores."""
+    args, arrays = _nvfp4_args(NVFP4_WRITE_VARIANTS[0])
+    found = ptx_ops(compile_for_hopper(ops._write_nvfp4_kernel, arrays, plan_write(args, CUDA),
+                                       int_divisibility))
+    assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, found
+    for out in ("bfloat16", "float8_e4m3fn"):
+        dargs, darrays, plan = _nvfp4_dequant(("NHD", "tensor", 8, 128, 16, out,
+                                               "float" if out == "float8_e4m3fn" else None))
+        found = ptx_ops(compile_for_hopper(ops._dequantize_nvfp4_kernel, darrays, plan,
+                                           int_divisibility))
+        assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, (out, found)
+
+
+NVFP4_DEQUANT_VARIANTS = [  # (layout, global scale, heads, head_dim, page_size, out, out_scale)
+    ("NHD", "tensor", 8, 128, 16, "bfloat16", None),
+    ("HND", "head", 6, 80, 16, "float16", None),
+    ("3D", "none", 1, 16, 1, "float32", None),
+    ("NHD", "float", 3, 256, 64, "float8_e4m3fn", "tensor"),
+    ("HND", "tensor", 8, 128, 16, "float8_e4m3fn", "float"),
+    ("NHD", "head", 2, 64, 16, "float8_e4m3fn", None),
+]
+
+
+def _nvfp4_dequant(variant, combined=False, exact=None):
+    layout, scale, heads, head_dim, page_size, out, out_scale = variant
+    api_layout = "NHD" if layout == "3D" else layout
+    shape = _nvfp4_shape(layout, 64, page_size, heads, head_dim // 2)
+    blocks = ArrayInfo.contiguous(shape[:-1] + (head_dim // 16,), "float8_e4m3fn", "cuda:0")
+    cache = ArrayInfo.contiguous(shape, "uint8", "cuda:0")
+    caches = (dict(kv_cache=ArrayInfo.contiguous((shape[0], 2) + shape[1:], "uint8", "cuda:0"))
+              if combined else dict(key_cache=cache, value_cache=cache))
+    table = ArrayInfo.contiguous((16, 512), "int32", "cuda:0")
+    s = _nvfp4_scale(scale, heads)
+    os_ = {"float": 0.25, "tensor": ArrayInfo.contiguous((), "float32", "cuda:0")}.get(out_scale)
+    args = check_dequantize(block_table=table, key_scale=s, value_scale=s, dtype=out,
+                            layout=api_layout, fp8_format=None, null_page=None,
+                            cache_format="nvfp4", key_scale_cache=blocks, value_scale_cache=blocks,
+                            out_scale=os_, **caches)
+    pages = ArrayInfo.contiguous(dequantized_shape(args, combined), out, "cuda:0")
+    plan = plan_dequantize(args, pages, None if combined else pages, CUDA, exact)
+    arrays = dequantize_operands(args).arrays(dict(
+        key_cache="uint8", value_cache="uint8", kv_cache="uint8", block_table="int32",
+        key_scale="float32", value_scale="float32", key_scale_cache="float8_e4m3fn",
+        value_scale_cache="float8_e4m3fn", out_scale="float32", key_out=out, value_out=out,
+        kv_out=out, table_out="int32"))
+    return args, arrays, plan
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("variant", NVFP4_DEQUANT_VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_nvfp4_dequantize_kernel_compiles_for_sm90(variant, exact, combined):
+    args, arrays, plan = _nvfp4_dequant(variant, combined, exact)
+    assert plan.kernel == "_dequantize_nvfp4_kernel"
+    found = ptx_ops(compile_for_hopper(ops._dequantize_nvfp4_kernel, arrays, plan))
+    assert "ftz" not in " ".join(found)
+    if variant[5] == "float8_e4m3fn" and not exact:
+        assert any(op.startswith("cvt.rn.satfinite.e4m3x2") for op in found)

@@ -5,6 +5,12 @@ and scale kinds as ``*_SCALE`` / ``*_DYNAMIC`` constexprs (:class:`fp8kv.modes.S
 every branch on them is here, by equality. A new format adds its branch to :func:`encode` and
 :func:`decode` (and its largest value to :func:`dynamic_scale`).
 
+NVFP4 (a format with block scales) has kernels of its own (``write_nvfp4``, ``dequantize_nvfp4``),
+so no ``FORMAT`` branch: its 4-bit codes depend on their block (the block scale, a sign mask) and
+come in pairs per byte, which :func:`encode` / :func:`decode`'s one-code-per-element form cannot
+say. Its helpers are at the end of this module: the block scales, the division by them, E2M1
+encoding (one implementation: fp32 arithmetic, exact on every path) and decoding.
+
 Each conversion has two implementations selected by the ``EXACT`` constexpr:
 
 * fast  -- the hardware conversions (``cvt.rn.satfinite`` to fp8, ``cvt.rn`` to bf16/fp16);
@@ -37,6 +43,7 @@ E5M2_RCP_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E5M2.reciprocal_max)
 OUT_BFLOAT16: tl.constexpr = tl.constexpr(int(OutKind.BFLOAT16))
 OUT_FLOAT16: tl.constexpr = tl.constexpr(int(OutKind.FLOAT16))
 OUT_FLOAT32: tl.constexpr = tl.constexpr(int(OutKind.FLOAT32))
+OUT_FLOAT8_E4M3FN: tl.constexpr = tl.constexpr(int(OutKind.FLOAT8_E4M3FN))
 NAN_BITS_BF16: tl.constexpr = tl.constexpr(formats.CANONICAL_NAN_BITS["bfloat16"])
 NAN_BITS_FP16: tl.constexpr = tl.constexpr(formats.CANONICAL_NAN_BITS["float16"])
 NAN_BITS_FP32: tl.constexpr = tl.constexpr(formats.CANONICAL_NAN_BITS["float32"])
@@ -53,6 +60,12 @@ E5M2_SUBNORMAL_UNIT: tl.constexpr = tl.constexpr(formats.E5M2.subnormal_unit)
 E4M3_NAN_CODE: tl.constexpr = tl.constexpr(formats.E4M3.nan_code)
 E5M2_NAN_CODE: tl.constexpr = tl.constexpr(formats.E5M2.nan_code)
 _INF: tl.constexpr = tl.constexpr(float("inf"))
+# NVFP4 (docs/SPEC.md section 13): elements per block scale, the largest E2M1 value, and 2**23,
+# which added to a value in [0, 2**22) rounds it to an integer (RNE) in the low mantissa bits.
+NVFP4_BLOCK: tl.constexpr = tl.constexpr(formats.NVFP4.block_size)
+E2M1_MAX_VALUE: tl.constexpr = tl.constexpr(formats.NVFP4.max_value)
+E2M1_MAX_CODE: tl.constexpr = tl.constexpr(formats.NVFP4.max_code)
+ROUND_TO_INT: tl.constexpr = tl.constexpr(2.0 ** 23)
 # No NaN constexpr: Triton re-checks a kernel's globals on every launch with `!=`, and NaN != NaN.
 
 
@@ -396,3 +409,146 @@ def dynamic_scale(amax, FORMAT: tl.constexpr, POW2: tl.constexpr, EXACT: tl.cons
         keep = ((u & 0x7FFFFF) == 0) | (u >= 0x7F800000)
         s = tl.where(keep, u, up).to(tl.float32, bitcast=True)
     return s
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 (docs/SPEC.md section 13): E2M1 codes, one e4m3 scale per block of 16, a global scale.
+
+@jit
+def nvfp4_block_scales(amax, g, EXACT: tl.constexpr):
+    """``(sf, d)`` of each block: ``sf`` the e4m3 code (int32 0..255) of ``amax / (6 g)`` and
+    ``d = e4m3_value(sf) * g``, its dequant scale. ``g``: the global scale, broadcastable to
+    ``amax``. Every step is one IEEE fp32 operation (``div_rn``; the fp32 products round once)."""
+    six_g = tl.broadcast_to(g * E2M1_MAX_VALUE, amax.shape)
+    sf = encode(tl.math.div_rn(amax, six_g), FMT_E4M3, EXACT)
+    return sf, decode(sf, FMT_E4M3, EXACT) * g
+
+
+@jit
+def block_reciprocal(d, amax, EXACT: tl.constexpr):
+    """``(fast, y)`` for :func:`divide_by_block_scale`: whether this program may divide by
+    reciprocals (one value for the whole program) and ``y = RN(1/d)`` per block (0 where ``d`` is
+    0).
+
+    Reciprocals serve a program whose every block has ``d`` NaN, 0, or in ``[2**-90, 2**90]``
+    with ``amax <= 16 d``: then ``|x / d| <= 16``, no quotient is near the fp32 limits and
+    Markstein's theorem makes :func:`reciprocal_divide` exact. Others (tiny or huge global scales,
+    saturated block scales, infinities) and the interpreter take ``div_rn``.
+    """
+    if EXACT:
+        fast = 0
+        y = d
+    else:
+        ok = (d != d) | (d == 0.0) | ((d >= 2.0 ** -90) & (d <= 2.0 ** 90) & (amax <= d * 16.0))
+        fast = tl.min(ok.to(tl.int32))
+        y = tl.where(d == 0.0, 0.0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d))
+    return fast, y
+
+
+@jit
+def divide_by_block_scale(x, d, y, fast, EXACT: tl.constexpr):
+    """``RN(x / d)``, ``d`` (and ``y``, ``fast``: :func:`block_reciprocal`) broadcastable to ``x``;
+    NaN quotients become 0, and a block with ``d = 0`` gives +-0 (its codes are 0 whatever the
+    quotient: :func:`nvfp4_sign_mask` clears their signs). On the reciprocal path a NaN quotient
+    is the hardware's canonical NaN (sign bit clear), which :func:`encode_e2m1` writes as 0. The
+    GPU suite compares both paths on every bf16 pattern.
+    """
+    if EXACT:
+        q = tl.math.div_rn(x, tl.where(d == 0.0, _INF, d))
+        q = tl.where(q != q, 0.0, q)
+    else:
+        if fast == 1:   # the same branch for the whole program
+            q = reciprocal_divide(x, d, y)[1]
+        else:
+            q = tl.math.div_rn(x, tl.where(d == 0.0, _INF, d))
+            q = tl.where(q != q, 0.0, q)
+    return q
+
+
+@jit
+def nvfp4_sign_mask(d):
+    """Per block: 8 (the E2M1 sign bit) where codes carry their sign, 0 where ``d`` is 0 or NaN
+    (all codes 0x0)."""
+    return tl.where((d != 0.0) & (d == d), 8, 0)
+
+
+@jit
+def encode_e2m1(q, sign_mask):
+    """4-bit E2M1 codes (bits 0-3 of an int32; bits 4-23 zero, the higher ones not) of
+    quotients ``q`` (NaN-free, or the fast path's canonical NaN): the magnitude is ``|q|`` rounded to the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6, ties to
+    the even code, saturating at 6; the sign bit is ``q``'s, kept where ``sign_mask`` is 8.
+
+    Rounding on fp32 arithmetic alone (the same on every path): with ``R = 2**23``,
+    ``RN(2|q| + R) - R``, ``RN(|q| + R + 2) - R`` and ``RN(|q|/2 + R + 4) - R`` are the codes
+    that the grids of step 0.5, 1 and 2 give (offset by the codes of 0, 2 and 4), each exact for
+    its binade and too large outside it, so their minimum, capped at 7, is the code. Each is one
+    rounding of an exact sum (``2|q|`` and ``|q|/2`` are exact), ties to even; the sums' low
+    bits are the code. Checked against the boundary table on every fp32 value in [0, 16].
+    """
+    a = tl.maximum(tl.abs(q), 0.0)   # max.f32 turns the canonical NaN into 0
+    m = tl.minimum(tl.minimum(tl.math.fma(a, 2.0, ROUND_TO_INT), a + (ROUND_TO_INT + 2.0)),
+                   tl.minimum(tl.math.fma(a, 0.5, ROUND_TO_INT + 4.0),
+                              ROUND_TO_INT + E2M1_MAX_CODE))
+    sign = (q.to(tl.int32, bitcast=True) >> 28) & sign_mask
+    # m's bits are 0x4B000000 + the code: bits 4-23 are zero, so callers that keep the low
+    # nibble (pack codes into bytes) need not clear the high ones.
+    return m.to(tl.int32, bitcast=True) | sign
+
+
+@jit
+def nvfp4_values(codes, sv, g, SCALED: tl.constexpr):
+    """fp32 ``(e2m1 * sv) * g`` (``SCALED``; else ``e2m1 * sv``) of both codes of each byte of
+    ``codes`` (int32 0..255): ``(low nibble's, high nibble's)``, exact bits. ``sv``: the block's
+    e4m3 value, ``g``: the global scale, both broadcastable.
+
+    A code's magnitude bits at bit 9 of an fp16, its sign at bit 15, make the fp16 with exponent
+    field ``m >> 1`` and top mantissa bit ``m & 1``: ``e2m1(m) * 2**-14`` (for ``m = 1`` the
+    subnormal ``0.5 * 2**-14``: fp16 and E2M1 both have subnormals at exponent field 0). Both
+    codes of a byte become one word of two fp16 with three integer operations: ``u = b * 4097``
+    holds the byte twice (bits 0-7 and 12-19), and ``u << 9`` / ``u << 12`` bring each nibble's
+    magnitude / sign bits to their fp16 places. Widening to fp32 is exact (and normal, so no flush
+    to zero touches it); times ``sv * 2**14`` it is the exact ``e2m1 * sv`` (6 significant bits,
+    normal), which the product with ``g`` rounds once. IEEE signs throughout.
+    """
+    u = codes * 4097
+    halves = ((u << 9) & 0x0E000E00) | ((u << 12) & -0x7FFF8000)   # int32 0x80008000
+    scale = sv * 16384.0
+    lo = (halves & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    hi = ((halves >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    if SCALED:
+        lo = lo * g
+        hi = hi * g
+    return lo, hi
+
+
+@jit
+def divide_by_out_scale(x, s, divisor, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """``RN(x / s)`` for one output scale ``s`` per program (``divisor``: its
+    :func:`scalar_reciprocal`).
+
+    A power of two ``s`` in ``[2**-126, 2**126)`` multiplies by its exact reciprocal (``f1 f2``
+    of :func:`scalar_divisor`: the same real number, rounded once; one instruction per element);
+    other scales take :func:`divide`.
+    """
+    if EXACT or not RECIPROCAL:
+        q = divide(x, s, divisor, EXACT, RECIPROCAL)
+    else:
+        u = s.to(tl.int32, bitcast=True)
+        if ((u & 0x7FFFFF) == 0) & (u >= 0x00800000) & (u < 0x7E800000):
+            q = x * (divisor[2] * divisor[3])
+        else:
+            q = divide(x, s, divisor, EXACT, RECIPROCAL)
+    return q
+
+
+@jit
+def encode_bytes(y, FORMAT: tl.constexpr, EXACT: tl.constexpr):
+    """:func:`encode` as uint8 bytes (FP8 formats): on the fast path straight from the hardware
+    conversion, without :func:`encode`'s int32 codes (which a store of bytes would repack)."""
+    if EXACT:
+        code = encode(y, FORMAT, EXACT).to(tl.uint8)
+    elif FORMAT == FMT_E5M2:
+        code = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return code

@@ -1,0 +1,203 @@
+"""Fused NVFP4 quantize + scatter of new K/V rows into a paged cache (one launch for K and V).
+
+Grid: ``(cdiv(num_tokens, BLOCK_T),)``. A program owns ``BLOCK_T`` tokens. Per side it loads their
+whole rows as four ``[BLOCK_T, BLOCK_H, BLOCK_D / 32, 8]`` pieces (:func:`_load_piece`: groups of
+two blocks of 16, held whole by one thread), reduces each block to its amax, computes the block's
+e4m3 scale and dequant scale ``d`` (:func:`codec.nvfp4_block_scales`), rounds ``x / d`` to E2M1
+codes (:func:`codec.divide_by_block_scale`, :func:`codec.encode_e2m1`), packs code pairs into
+bytes in registers (element ``2i`` in the low nibble) and stores 16 bytes of codes per group and
+the group's two block scales. Slots below zero (padding) or past the cache write nothing.
+docs/SPEC.md section 13 is the rule, :func:`fp8kv.reference.quantize_nvfp4` its NumPy twin;
+:func:`fp8kv.plan.plan_write` names every argument and :func:`fp8kv.operands.write_operands` says
+which array each pointer takes.
+
+Why a kernel of its own rather than branches of ``_write_kv_kernel``: a side has a global scale
+(``*_scale_ptr``, a static kind) *and* block scales (``*_block_ptr``, read for JAX's aliasing and
+written through ``*_block_out_ptr``), so the operands differ; codes are packed two per byte, so
+every cache offset and width differs; and the FP8 kernel, tuned on its own, keeps its code.
+
+Parameters follow jax-triton's order (input arrays, scalars, outputs, constexprs) and are bound
+by name (:mod:`fp8kv.binding`); strides are constexprs (``STRIDE_<array>_<dim>``, in bytes for the
+uint8 caches and block scales). ``BLOCK_D`` (a power of two, at least 32) covers ``HEAD_DIM``. A
+combined ``[num_pages, 2, ...]`` cache is passed as both caches, V ``VALUE_CACHE_OFFSET`` bytes
+in, written through the K output with ``SHARED_OUT``. Offsets are int32, or int64
+(``OFFSETS_64``) where an array reaches past 2**31 elements.
+"""
+import triton.language as tl
+
+from ._dual import jit
+from .codec import (NVFP4_BLOCK, SCALE_HEAD, block_reciprocal, divide_by_block_scale,
+                    encode_e2m1, load_raw, load_scale, max_combine, nvfp4_block_scales,
+                    nvfp4_sign_mask, raw_to_fp32, scalar_scale)
+
+
+# A program's tiles are [BLOCK_T, BLOCK_H, BLOCK_D / GROUP, PIECE] pieces: piece p of group g of a
+# head row is its elements GROUP g + PIECE p .. + PIECE - 1. Triton gives a thread at most 16
+# bytes (8 bf16) of one load, so a row loaded whole would split each block of 16 over two
+# threads (a shuffle for the amax, every block scale computed twice). Four loads of 8-element
+# pieces have the same layout: each thread holds whole groups of two blocks (pieces 0-1 and 2-3)
+# and owns 16 bytes of their codes.
+PIECE: tl.constexpr = tl.constexpr(8)
+GROUP: tl.constexpr = tl.constexpr(32)
+
+
+@jit
+def _global_scale(scale_ptr, scale_value, KIND: tl.constexpr, NUM_HEADS: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """A side's global scale: ``[1, BLOCK_H, 1]`` per head (1 for masked heads), else a scalar
+    (``scale_value``, 1.0 for NONE)."""
+    if KIND == SCALE_HEAD:
+        h = tl.arange(0, BLOCK_H)
+        g = load_scale(scale_ptr, scale_value, h, h < NUM_HEADS, KIND)[None, :, None]
+    else:
+        g = scalar_scale(scale_ptr, scale_value, KIND)
+    return g
+
+
+@jit
+def _load_piece(x_ptr, row, in_range, piece: tl.constexpr, STRIDE_HEAD: tl.constexpr,
+                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_D: tl.constexpr, EXACT: tl.constexpr):
+    """Piece ``piece`` of every group of the tokens' rows (``row``: each token's offset), as
+    stored (bf16 as bits when EXACT): ``[BLOCK_T, BLOCK_H, BLOCK_D / GROUP, PIECE]``."""
+    h = tl.arange(0, BLOCK_H)
+    col = (tl.arange(0, BLOCK_D // GROUP) * GROUP)[:, None] + (piece * PIECE + tl.arange(0, PIECE))
+    offsets = (row[:, None, None, None] + (h * STRIDE_HEAD)[None, :, None, None]
+               + col[None, None, :, :])
+    mask = (in_range[:, None, None, None] & (h < NUM_HEADS)[None, :, None, None]
+            & (col < HEAD_DIM)[None, None, :, :])
+    return load_raw(x_ptr, offsets, mask, EXACT)
+
+
+@jit
+def _block_amax(x0, x1, EXACT: tl.constexpr):
+    """The amax of the blocks made of pieces ``x0`` and ``x1``, NaN counting as 0."""
+    a0, a1 = tl.abs(x0), tl.abs(x1)
+    if EXACT:
+        # The interpreter's maximum propagates NaN; the GPU's max.f32 drops it (max_combine).
+        a0, a1 = tl.where(x0 != x0, 0.0, a0), tl.where(x1 != x1, 0.0, a1)
+    return tl.reduce(tl.maximum(a0, a1), 3, max_combine)
+
+
+@jit
+def _piece_bytes(x, d, y, fast, sign_mask, EXACT: tl.constexpr):
+    """The ``PIECE / 2`` bytes of a piece's codes (element 2i in the low nibble)."""
+    codes = encode_e2m1(divide_by_block_scale(x, d, y, fast, EXACT), sign_mask)
+    lo, hi = tl.split(tl.reshape(codes, (x.shape[0], x.shape[1], x.shape[2], PIECE // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@jit
+def _write_side(r0, r1, r2, r3, g, dst, row, block_dst, block_row, keep,
+                STRIDE_CACHE_HEAD: tl.constexpr, STRIDE_BLOCK_HEAD: tl.constexpr,
+                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_D: tl.constexpr, EXACT: tl.constexpr):
+    """Quantize one side's pieces ``r0..r3`` (:func:`_load_piece`) with global scale ``g`` and
+    store their codes (at ``dst + row``: each token's cache row) and block scales
+    (``block_dst + block_row``)."""
+    x0, x1 = raw_to_fp32(r0, EXACT), raw_to_fp32(r1, EXACT)
+    x2, x3 = raw_to_fp32(r2, EXACT), raw_to_fp32(r3, EXACT)
+    amax0, amax1 = _block_amax(x0, x1, EXACT), _block_amax(x2, x3, EXACT)   # [T, H, groups]
+    sf0, d0 = nvfp4_block_scales(amax0, g, EXACT)   # g = 1.0 without a global scale: exact
+    sf1, d1 = nvfp4_block_scales(amax1, g, EXACT)
+    fast0, y0 = block_reciprocal(d0, amax0, EXACT)
+    fast1, y1 = block_reciprocal(d1, amax1, EXACT)
+    fast = fast0 * fast1
+    d0, y0, m0 = d0[:, :, :, None], y0[:, :, :, None], nvfp4_sign_mask(d0)[:, :, :, None]
+    d1, y1, m1 = d1[:, :, :, None], y1[:, :, :, None], nvfp4_sign_mask(d1)[:, :, :, None]
+    # A group's 16 bytes in order: pieces 0..3, each PIECE / 2 bytes.
+    b01 = tl.join(_piece_bytes(x0, d0, y0, fast, m0, EXACT), _piece_bytes(x1, d0, y0, fast, m0, EXACT))
+    b23 = tl.join(_piece_bytes(x2, d1, y1, fast, m1, EXACT), _piece_bytes(x3, d1, y1, fast, m1, EXACT))
+    packed = tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 2, 5, 4, 3)),
+                        (r0.shape[0], BLOCK_H, BLOCK_D // GROUP, GROUP // 2))
+    h = tl.arange(0, BLOCK_H)
+    h_mask = keep[:, None, None, None] & (h < NUM_HEADS)[None, :, None, None]
+    j = (tl.arange(0, BLOCK_D // GROUP) * (GROUP // 2))[:, None] + tl.arange(0, GROUP // 2)
+    tl.store(dst + (row[:, None, None, None] + (h * STRIDE_CACHE_HEAD)[None, :, None, None]
+                    + j[None, None, :, :]),
+             packed, mask=h_mask & (j < HEAD_DIM // 2)[None, None, :, :])
+    b = (tl.arange(0, BLOCK_D // GROUP) * (GROUP // NVFP4_BLOCK))[:, None] + tl.arange(0, 2)
+    tl.store(block_dst + (block_row[:, None, None, None] + (h * STRIDE_BLOCK_HEAD)[None, :, None, None]
+                          + b[None, None, :, :]),
+             tl.join(sf0, sf1).to(tl.uint8), mask=h_mask & (b < HEAD_DIM // NVFP4_BLOCK)[None, None, :, :])
+
+
+@jit(do_not_specialize=["num_tokens"])
+def _write_nvfp4_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, key_scale_ptr, value_scale_ptr,
+    key_block_ptr, value_block_ptr,
+    num_tokens, num_slots, key_scale_value, value_scale_value,
+    key_cache_out_ptr, value_cache_out_ptr, key_block_out_ptr, value_block_out_ptr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    STRIDE_KEY_TOKEN: tl.constexpr, STRIDE_KEY_HEAD: tl.constexpr,
+    STRIDE_VALUE_TOKEN: tl.constexpr, STRIDE_VALUE_HEAD: tl.constexpr,
+    STRIDE_KC_PAGE: tl.constexpr, STRIDE_KC_SLOT: tl.constexpr, STRIDE_KC_HEAD: tl.constexpr,
+    STRIDE_VC_PAGE: tl.constexpr, STRIDE_VC_SLOT: tl.constexpr, STRIDE_VC_HEAD: tl.constexpr,
+    VALUE_CACHE_OFFSET: tl.constexpr,
+    STRIDE_KB_PAGE: tl.constexpr, STRIDE_KB_SLOT: tl.constexpr, STRIDE_KB_HEAD: tl.constexpr,
+    STRIDE_VB_PAGE: tl.constexpr, STRIDE_VB_SLOT: tl.constexpr, STRIDE_VB_HEAD: tl.constexpr,
+    K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, LOADS_FIRST: tl.constexpr, SHARED_OUT: tl.constexpr,
+    OFFSETS_64: tl.constexpr, EXACT: tl.constexpr,
+):
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = tok < num_tokens
+    slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
+    keep = in_range & (slot >= 0) & (slot < num_slots)
+    slot = tl.where(keep, slot, 0)
+    if OFFSETS_64:
+        tok = tok.to(tl.int64)
+    else:
+        slot = slot.to(tl.int32)
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    key_dst = key_cache_out_ptr.to(tl.pointer_type(tl.uint8))
+    if SHARED_OUT:
+        value_dst = key_dst
+    else:
+        value_dst = value_cache_out_ptr.to(tl.pointer_type(tl.uint8))
+    # Block scales may be typed float8_e4m3fn: stored as their bytes.
+    key_blocks = key_block_out_ptr.to(tl.pointer_type(tl.uint8))
+    value_blocks = value_block_out_ptr.to(tl.pointer_type(tl.uint8))
+    # Global scales are loaded before the rows, so that their round trip overlaps the rows'.
+    kg = _global_scale(key_scale_ptr, key_scale_value, K_SCALE, NUM_HEADS, BLOCK_H)
+    vg = _global_scale(value_scale_ptr, value_scale_value, V_SCALE, NUM_HEADS, BLOCK_H)
+    key_in = tok * STRIDE_KEY_TOKEN
+    value_in = tok * STRIDE_VALUE_TOKEN
+    k0 = _load_piece(key_ptr, key_in, in_range, 0, STRIDE_KEY_HEAD, NUM_HEADS, HEAD_DIM,
+                     BLOCK_H, BLOCK_D, EXACT)
+    k1 = _load_piece(key_ptr, key_in, in_range, 1, STRIDE_KEY_HEAD, NUM_HEADS, HEAD_DIM,
+                     BLOCK_H, BLOCK_D, EXACT)
+    k2 = _load_piece(key_ptr, key_in, in_range, 2, STRIDE_KEY_HEAD, NUM_HEADS, HEAD_DIM,
+                     BLOCK_H, BLOCK_D, EXACT)
+    k3 = _load_piece(key_ptr, key_in, in_range, 3, STRIDE_KEY_HEAD, NUM_HEADS, HEAD_DIM,
+                     BLOCK_H, BLOCK_D, EXACT)
+    if LOADS_FIRST:
+        v0 = _load_piece(value_ptr, value_in, in_range, 0, STRIDE_VALUE_HEAD, NUM_HEADS,
+                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
+        v1 = _load_piece(value_ptr, value_in, in_range, 1, STRIDE_VALUE_HEAD, NUM_HEADS,
+                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
+        v2 = _load_piece(value_ptr, value_in, in_range, 2, STRIDE_VALUE_HEAD, NUM_HEADS,
+                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
+        v3 = _load_piece(value_ptr, value_in, in_range, 3, STRIDE_VALUE_HEAD, NUM_HEADS,
+                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
+    _write_side(k0, k1, k2, k3, kg, key_dst, page * STRIDE_KC_PAGE + off * STRIDE_KC_SLOT,
+                key_blocks, page * STRIDE_KB_PAGE + off * STRIDE_KB_SLOT, keep,
+                STRIDE_CACHE_HEAD=STRIDE_KC_HEAD, STRIDE_BLOCK_HEAD=STRIDE_KB_HEAD,
+                NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                EXACT=EXACT)
+    if not LOADS_FIRST:
+        v0 = _load_piece(value_ptr, value_in, in_range, 0, STRIDE_VALUE_HEAD, NUM_HEADS,
+                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
+        v1 = _load_piece(value_ptr, value_in, in_range, 1, STRIDE_VALUE_HEAD, NUM_HEADS,
+                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
+        v2 = _load_piece(value_ptr, value_in, in_range, 2, STRIDE_VALUE_HEAD, NUM_HEADS,
+                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
+        v3 = _load_piece(value_ptr, value_in, in_range, 3, STRIDE_VALUE_HEAD, NUM_HEADS,
+                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
+    _write_side(v0, v1, v2, v3, vg, value_dst,
+                page * STRIDE_VC_PAGE + off * STRIDE_VC_SLOT + VALUE_CACHE_OFFSET, value_blocks,
+                page * STRIDE_VB_PAGE + off * STRIDE_VB_SLOT, keep,
+                STRIDE_CACHE_HEAD=STRIDE_VC_HEAD, STRIDE_BLOCK_HEAD=STRIDE_VB_HEAD,
+                NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                EXACT=EXACT)
