@@ -13,7 +13,7 @@ import triton
 
 from .arrays import ArrayInfo
 from .layout import combined_halves, paged
-from .modes import OUT_KIND_OF_DTYPE, ScaleKind, SideScale
+from .modes import OUT_KIND_OF_DTYPE, LayerKind, ScaleKind, SideScale
 from .validate import DequantArgs, WriteArgs
 
 INTERPRET, CUDA = "interpret", "cuda"
@@ -95,7 +95,29 @@ def _shared(args: WriteArgs | DequantArgs, backend: str, exact: bool | None) -> 
         **_strides("KSC", ks.stored), **_strides("VSC", vs.stored),
         FORMAT=args.fmt.id, **_side("K", ks), **_side("V", vs), INLINE_PAD=args.inline_pad,
         EXACT=backend == INTERPRET if exact is None else exact)
+    layer_scalars, layer_constexprs = layer_params(args)
+    scalars.update(layer_scalars)
+    constexprs.update(layer_constexprs)
     return scalars, constexprs
+
+
+def layer_params(args) -> tuple[dict, dict]:
+    """``(scalars, constexprs)`` of stacked caches (``args.layers``; docs/SPEC.md section 12):
+    the host layer (a runtime scalar, so that one compiled kernel serves every layer; 0 where a
+    device array names it or there is no layer axis), how the kernel finds it
+    (``LAYER_KIND``), the stack's depth and each stacked array's layer stride. Any kernel with
+    cache pointers takes them alike (:func:`fp8kv.ops.layers.select_layer`)."""
+    layers = args.layers
+    if layers is None:
+        kind, layers_ = LayerKind.NONE, None
+    else:
+        kind, layers_ = (LayerKind.TENSOR if layers.on_device else LayerKind.VALUE), layers
+    return ({"layer": 0 if layers_ is None or layers_.on_device else layers_.index},
+            {"LAYER_KIND": kind.id, "NUM_LAYERS": 0 if layers_ is None else layers_.num_layers,
+             "STRIDE_KC_LAYER": 0 if layers_ is None else layers_.stride_key_cache,
+             "STRIDE_VC_LAYER": 0 if layers_ is None else layers_.stride_value_cache,
+             "STRIDE_KSC_LAYER": 0 if layers_ is None else layers_.stride_key_scale_cache,
+             "STRIDE_VSC_LAYER": 0 if layers_ is None else layers_.stride_value_scale_cache})
 
 
 INT32_REACH = 2**31 - 1  # the largest element offset that int32 address arithmetic may form

@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from fp8kv.validate import (check_bool, check_dequantize, check_slots_in_range,
-                            check_table_in_range, check_write, dequantized_shape, frontend_args)
+from fp8kv.validate import (check_bool, check_dequantize, check_layer_in_range,
+                            check_slots_in_range, check_table_in_range, check_write,
+                            dequantized_shape, frontend_args)
 
 from . import _args, _jnp, _triton
 from ._args import as_array, as_scales, device_array
@@ -34,6 +35,7 @@ __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_page
 
 Scale = Union[float, jax.Array, None]
 ScaleCache = Union[jax.Array, str, None]
+Layer = Union[int, jax.Array, None]
 
 
 _SIDE_ARRAYS = ("key_scale_cache", "value_scale_cache")
@@ -45,19 +47,30 @@ def _scales(key_scale, value_scale, key_scale_cache, value_scale_cache) -> dict:
                     as_scales(key_scale, value_scale, key_scale_cache, value_scale_cache)))
 
 
-def _write(arrays: dict, scales: dict, layout, fp8_format, scale_rounding, check_bounds):
+def _check_layer_bounds(layer, layers) -> None:
+    """``check_bounds``' check of ``layer=`` (a device array is read on the host)."""
+    if layers is not None:
+        check_layer_in_range(_args.host_values(layer, "layer") if isinstance(layer, jax.Array)
+                             else layer, layers.num_layers)
+
+
+def _write(arrays: dict, scales: dict, layout, fp8_format, scale_rounding, check_bounds,
+           layer=None):
     """The new caches (``arrays``' cache entries, in order), then the new side scale arrays
     (None for a side without one) if any is given."""
     check_bool(check_bounds, "check_bounds")
     arrays = {name: as_array(x, name) for name, x in arrays.items()}
-    args = check_write(**frontend_args(_args.info, jax.Array, arrays, scales), layout=layout,
-                       fp8_format=fp8_format, scale_rounding=scale_rounding)
+    (layer,) = as_scales(layer)
+    args = check_write(**frontend_args(_args.info, jax.Array, arrays, {**scales, "layer": layer}),
+                       layout=layout, fp8_format=fp8_format, scale_rounding=scale_rounding)
     if check_bounds:
+        _check_layer_bounds(layer, args.layers)
         check_slots_in_range(_args.host_values(arrays["slots"], "slots"),
                              args.key_cache.num_slots)
     caches = [name for name in arrays if name.endswith("cache")]
     sides = {name: device_array(scales[name]) for name in _SIDE_ARRAYS}
-    given = {**arrays, **{name: device_array(s) for name, s in scales.items()}}
+    given = {**arrays, **{name: device_array(s) for name, s in scales.items()},
+             "layer": device_array(layer)}
     if args.num_tokens == 0:  # nothing to write: no launch
         updated = given
     else:
@@ -72,7 +85,8 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
              slots: jax.Array, key_scale: Scale = None, value_scale: Scale = None, *,
              layout: str = "NHD", fp8_format: str | None = None,
              key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
-             scale_rounding: str = "exact", check_bounds: bool = False) -> tuple:
+             scale_rounding: str = "exact", check_bounds: bool = False,
+             layer: Layer = None) -> tuple:
     """Quantize ``key``/``value`` to FP8 and write them into a paged cache, in one launch.
 
     Parameters
@@ -115,11 +129,19 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
         Debugging aid (off by default): read ``slots`` on the host and raise ``ValueError`` if a
         slot is past the cache (instead of skipping it). Needs concrete arrays: refused
         (``TypeError``) under ``jax.jit``.
+    layer : None, int or jax.Array
+        Stacked caches (docs/SPEC.md section 12): given, every cache (and side scale array) has
+        a leading layer axis, ``[num_layers, ...]`` with ``...`` as above, and the tokens go to
+        layer ``layer``: an int, or an int32 array of shape ``[]`` that may be traced (e.g. the
+        index of a ``lax.scan`` or ``fori_loop`` over layers: one compiled kernel serves every
+        layer). Out of range (no wrap-around): nothing is written (``check_bounds=True``:
+        ``ValueError``).
 
     Returns
     -------
     key_cache, value_cache : jax.Array
         The caches with the tokens written; every byte that no written slot names is unchanged.
+        With ``layer``, the whole stacks (every other layer unchanged).
     key_scale_cache, value_scale_cache : jax.Array or None
         Only when a side scale array is given (for K or V): the arrays with the written tokens'
         scales (None for a side without a side array). Donate them like the caches.
@@ -145,14 +167,14 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
     return _write(dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                        slots=slots),
                   _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), layout,
-                  fp8_format, scale_rounding, check_bounds)
+                  fp8_format, scale_rounding, check_bounds, layer)
 
 
 def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slots: jax.Array,
                       key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
                       fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
                       value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
-                      check_bounds: bool = False):
+                      check_bounds: bool = False, layer: Layer = None):
     """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
 
     Parameters
@@ -160,7 +182,8 @@ def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slo
     kv_cache : jax.Array
         ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD),
         ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
-        ``[num_slots, 2, num_kv_heads, head_dim]``; index 0 of dim 1 is K, index 1 is V.
+        ``[num_slots, 2, num_kv_heads, head_dim]``; index 0 of dim 1 is K, index 1 is V. With
+        ``layer``: ``[num_layers, ...]`` of these.
 
     Other parameters are those of :func:`write_kv`; side scale arrays are shaped as for one
     half of ``kv_cache`` (separate K and V arrays).
@@ -187,20 +210,23 @@ def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slo
     """
     out = _write(dict(key=key, value=value, kv_cache=kv_cache, slots=slots),
                  _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), layout,
-                 fp8_format, scale_rounding, check_bounds)
+                 fp8_format, scale_rounding, check_bounds, layer)
     return out[0] if len(out) == 1 else out
 
 
 def _dequantize(arrays: dict, scales: dict, dtype, layout, fp8_format, null_page, head_dim,
-                check_bounds):
+                check_bounds, layer=None):
     """``(key_pages, value_pages, new_block_table)``, or ``(kv_pages, new_block_table)`` for a
     combined ``arrays["kv_cache"]``."""
     check_bool(check_bounds, "check_bounds")
     arrays = {name: as_array(x, name) for name, x in arrays.items()}
-    args = check_dequantize(**frontend_args(_args.info, jax.Array, arrays, scales),
+    (layer,) = as_scales(layer)
+    args = check_dequantize(**frontend_args(_args.info, jax.Array, arrays,
+                                            {**scales, "layer": layer}),
                             dtype=_args.dtype_name(dtype), layout=layout, fp8_format=fp8_format,
                             null_page=null_page, head_dim=head_dim)
     if check_bounds:
+        _check_layer_bounds(layer, args.layers)
         check_table_in_range(_args.host_values(arrays["block_table"], "block_table"),
                              args.key_cache.num_pages, null_page)
     outputs = ("kv_out", "table_out") if args.combined else ("key_out", "value_out", "table_out")
@@ -208,7 +234,8 @@ def _dequantize(arrays: dict, scales: dict, dtype, layout, fp8_format, null_page
         pages = jnp.zeros(dequantized_shape(args, args.combined), args.out_dtype)
         table = jnp.zeros((args.batch, args.pages_per_seq), jnp.int32)
         return (pages,) * (len(outputs) - 1) + (table,)
-    given = {**arrays, **{name: device_array(s) for name, s in scales.items()}}
+    given = {**arrays, **{name: device_array(s) for name, s in scales.items()},
+             "layer": device_array(layer)}
     sides = [device_array(scales[name]) for name in _SIDE_ARRAYS]
     impl = _triton if _args.use_triton([*arrays.values(), *sides]) else _jnp
     out = impl.dequantize_pages(given, args=args)
@@ -220,8 +247,8 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
                      dtype: DTypeLike = jnp.bfloat16, layout: str = "NHD",
                      fp8_format: str | None = None, null_page: int | None = None,
                      key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
-                     head_dim: int | None = None, check_bounds: bool = False
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     head_dim: int | None = None, check_bounds: bool = False,
+                     layer: Layer = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dequantize the pages a block table names into a compact paged cache + renumbered table.
 
     Parameters
@@ -254,6 +281,10 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
         Debugging aid (off by default): read ``block_table`` on the host and raise
         ``ValueError`` if an entry is past the cache (instead of giving a zero page). Needs
         concrete arrays: refused (``TypeError``) under ``jax.jit``.
+    layer : None, int or jax.Array
+        Stacked caches (docs/SPEC.md section 12), as in :func:`write_kv`: the pages are read from
+        layer ``layer`` of ``[num_layers, ...]`` caches (and side scale arrays). Out of range:
+        every page is zero (``check_bounds=True``: ``ValueError``).
 
     Returns
     -------
@@ -280,7 +311,7 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
     """
     return _dequantize(dict(key_cache=key_cache, value_cache=value_cache, block_table=block_table),
                        _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), dtype,
-                       layout, fp8_format, null_page, head_dim, check_bounds)
+                       layout, fp8_format, null_page, head_dim, check_bounds, layer)
 
 
 def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_scale: Scale = None,
@@ -288,8 +319,8 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
                               layout: str = "NHD", fp8_format: str | None = None,
                               null_page: int | None = None, key_scale_cache: ScaleCache = None,
                               value_scale_cache: ScaleCache = None,
-                              head_dim: int | None = None, check_bounds: bool = False
-                              ) -> tuple[jax.Array, jax.Array]:
+                              head_dim: int | None = None, check_bounds: bool = False,
+                              layer: Layer = None) -> tuple[jax.Array, jax.Array]:
     """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
 
     Parameters
@@ -297,7 +328,8 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
     kv_cache : jax.Array
         ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD),
         ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
-        ``[num_slots, 2, num_kv_heads, head_dim]``; K at index 0 of dim 1, V at index 1.
+        ``[num_slots, 2, num_kv_heads, head_dim]``; K at index 0 of dim 1, V at index 1. With
+        ``layer``: ``[num_layers, ...]`` of these.
 
     Other parameters are those of :func:`dequantize_pages` (side scale arrays shaped as for one
     half of ``kv_cache``).
@@ -325,4 +357,4 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
     """
     return _dequantize(dict(kv_cache=kv_cache, block_table=block_table),
                        _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), dtype,
-                       layout, fp8_format, null_page, head_dim, check_bounds)
+                       layout, fp8_format, null_page, head_dim, check_bounds, layer)

@@ -15,7 +15,7 @@ from fp8kv.validate import check_bool
 
 from . import _launch
 from ._fast import FastPathWarning
-from ._ops import (dequantize_pages_combined_op, dequantize_pages_op, split_scales,
+from ._ops import (dequantize_pages_combined_op, dequantize_pages_op, split_layer, split_scales,
                    write_kv_combined_op, write_kv_op)
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
@@ -24,10 +24,11 @@ __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_page
 Tensor = torch.Tensor
 Scale = Union[float, Tensor, None]
 ScaleCache = Union[Tensor, str, None]
+Layer = Union[int, Tensor, None]
 
 
 def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
+           key_scale_cache, value_scale_cache, scale_rounding, check_bounds, layer=None):
     """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op."""
     check_bool(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
     combined = len(caches) == 1
@@ -37,19 +38,20 @@ def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format
         scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
                                             value_scale_cache)
         op = write_kv_combined_op if combined else write_kv_op
-        op(key, value, *caches, slots, *scales, layout, fp8_format, *scale_caches, scale_rounding)
+        op(key, value, *caches, slots, *scales, layout, fp8_format, *scale_caches, scale_rounding,
+           *split_layer(layer))
     else:
         launcher = _launch.write_kv_combined if combined else _launch.write_kv
         launcher(key, value, *caches, slots, key_scale, value_scale, layout, fp8_format,
                  key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache,
-                 scale_rounding=scale_rounding, check_bounds=check_bounds)
+                 scale_rounding=scale_rounding, check_bounds=check_bounds, layer=layer)
 
 
 def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor,
              key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
              fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
              value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
-             check_bounds: bool = False) -> None:
+             check_bounds: bool = False, layer: Layer = None) -> None:
     """Quantize ``key``/``value`` to FP8 and write them into a paged cache, in one launch.
 
     Parameters
@@ -94,6 +96,13 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
         ``slots`` on the host and raise ``ValueError`` if a slot is past the cache (instead of
         skipping it). A device sync: refused (``RuntimeError``) inside CUDA-graph capture and
         under ``torch.compile``.
+    layer : None, int or torch.Tensor
+        Stacked caches (docs/SPEC.md section 12): given, every cache (and side scale array) has
+        a leading layer axis, ``[num_layers, ...]`` with ``...`` as above, and the tokens go to
+        layer ``layer``: an int (a kernel argument: one compiled kernel serves every layer) or
+        a 0-d int32 / int64 tensor on the caches' device (read by the kernel: CUDA graphs may
+        replay it with new values). Out of range (no wrap-around): nothing is written
+        (``check_bounds=True``: ``ValueError``).
 
     Returns
     -------
@@ -102,7 +111,7 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     Note
     ----
     ``key_cache`` and ``value_cache`` (and the scale caches) are modified in place; bytes that no
-    written slot names are never touched. Rounding is IEEE fp32 division, then round-to-nearest-even with saturation
+    written slot names are never touched (with ``layer``: nor any other layer). Rounding is IEEE fp32 division, then round-to-nearest-even with saturation
     (NaN -> 0x7F), identical on every backend (see docs/SPEC.md).
 
     Examples
@@ -114,16 +123,21 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     >>> fp8kv_torch.write_kv(key, key, k_cache, v_cache, torch.tensor([5]), key_scale=0.5)
     >>> k_cache[1, 1, 0].float().tolist()
     [2.0, -4.0, 448.0, 0.625]
+    >>> stack = torch.zeros(3, 2, 4, 1, 4, dtype=torch.float8_e4m3fn)      # 3 layers
+    >>> fp8kv_torch.write_kv(key, key, stack, stack.clone(), torch.tensor([5]), key_scale=0.5,
+    ...                      layer=2)
+    >>> stack[2, 1, 1, 0].float().tolist(), stack[:2].float().abs().sum().item()
+    ([2.0, -4.0, 448.0, 0.625], 0.0)
     """
     _write(key, value, (key_cache, value_cache), slots, key_scale, value_scale, layout,
-           fp8_format, key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
+           fp8_format, key_scale_cache, value_scale_cache, scale_rounding, check_bounds, layer)
 
 
 def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor,
                       key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
                       fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
                       value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
-                      check_bounds: bool = False) -> None:
+                      check_bounds: bool = False, layer: Layer = None) -> None:
     """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
 
     Parameters
@@ -135,7 +149,8 @@ def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tenso
 
     Other parameters are those of :func:`write_kv`; ``key_scale_cache``/``value_scale_cache``
     are shaped as for one half of ``kv_cache`` (e.g. views ``sc[:, 0]``, ``sc[:, 1]`` of a
-    combined scale buffer). ``kv_cache`` (and the scale caches) are modified in place.
+    combined scale buffer); with ``layer``, ``kv_cache`` is ``[num_layers, ...]`` of the above.
+    ``kv_cache`` (and the scale caches) are modified in place.
 
     Examples
     --------
@@ -147,11 +162,12 @@ def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tenso
     [[56, 56, 56, 56], [184, 184, 184, 184]]
     """
     _write(key, value, (kv_cache,), slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache, value_scale_cache, scale_rounding, check_bounds)
+           key_scale_cache, value_scale_cache, scale_rounding, check_bounds, layer)
 
 
 def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
-                null_page, out, key_scale_cache, value_scale_cache, head_dim, check_bounds):
+                null_page, out, key_scale_cache, value_scale_cache, head_dim, check_bounds,
+                layer=None):
     """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op; returns
     the outputs, one per page array, then the new block table."""
     check_bool(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
@@ -174,17 +190,17 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
         if outs is None:
             outs = launcher(*caches, block_table, key_scale, value_scale, dtype, layout,
                             fp8_format, null_page, launch=False, key_scale_cache=key_scale_cache,
-                            value_scale_cache=value_scale_cache, head_dim=head_dim)
+                            value_scale_cache=value_scale_cache, head_dim=head_dim, layer=layer)
         scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
                                             value_scale_cache)
         op = dequantize_pages_combined_op if combined else dequantize_pages_op
         op(*caches, block_table, *scales, layout, fp8_format, null_page, *outs, *scale_caches,
-           head_dim)
+           head_dim, *split_layer(layer))
         return outs
     return launcher(*caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
                     null_page, outs, key_scale_cache=key_scale_cache,
                     value_scale_cache=value_scale_cache, head_dim=head_dim,
-                    check_bounds=check_bounds)
+                    check_bounds=check_bounds, layer=layer)
 
 
 def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
@@ -193,8 +209,8 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
                      fp8_format: str | None = None, null_page: int | None = None,
                      out: Sequence[Tensor] | None = None, key_scale_cache: ScaleCache = None,
                      value_scale_cache: ScaleCache = None,
-                     head_dim: int | None = None, check_bounds: bool = False
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+                     head_dim: int | None = None, check_bounds: bool = False,
+                     layer: Layer = None) -> tuple[Tensor, Tensor, Tensor]:
     """Dequantize the pages a block table names into a compact paged cache + renumbered table.
 
     Parameters
@@ -227,6 +243,10 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
         Debugging aid (off by default): read ``block_table`` on the host and raise
         ``ValueError`` if an entry is past the cache (instead of giving a zero page). A device
         sync: refused (``RuntimeError``) inside CUDA-graph capture and under ``torch.compile``.
+    layer : None, int or torch.Tensor
+        Stacked caches (docs/SPEC.md section 12), as in :func:`write_kv`: the pages are read from
+        layer ``layer`` of ``[num_layers, ...]`` caches (and side scale arrays). Out of range:
+        every page is zero (``check_bounds=True``: ``ValueError``).
 
     Returns
     -------
@@ -251,7 +271,7 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
     """
     return _dequantize((key_cache, value_cache), block_table, key_scale, value_scale, dtype,
                        layout, fp8_format, null_page, out, key_scale_cache, value_scale_cache,
-                       head_dim, check_bounds)
+                       head_dim, check_bounds, layer)
 
 
 def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: Scale = None,
@@ -261,8 +281,8 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
                               out: Sequence[Tensor] | None = None,
                               key_scale_cache: ScaleCache = None,
                               value_scale_cache: ScaleCache = None,
-                              head_dim: int | None = None, check_bounds: bool = False
-                              ) -> tuple[Tensor, Tensor]:
+                              head_dim: int | None = None, check_bounds: bool = False,
+                              layer: Layer = None) -> tuple[Tensor, Tensor]:
     """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
 
     Parameters
@@ -281,7 +301,8 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
         ``[batch, pages_per_seq]`` int32.
 
     Other parameters are those of :func:`dequantize_pages` (dynamic scale caches shaped as for
-    one half of ``kv_cache``, e.g. views ``sc[:, 0]``, ``sc[:, 1]`` of a combined scale buffer).
+    one half of ``kv_cache``, e.g. views ``sc[:, 0]``, ``sc[:, 1]`` of a combined scale buffer;
+    with ``layer``, ``kv_cache`` is ``[num_layers, ...]`` of the above).
 
     Examples
     --------
@@ -293,4 +314,4 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
     """
     return _dequantize((kv_cache,), block_table, key_scale, value_scale, dtype, layout,
                        fp8_format, null_page, out, key_scale_cache, value_scale_cache, head_dim,
-                       check_bounds)
+                       check_bounds, layer)

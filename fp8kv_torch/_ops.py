@@ -2,7 +2,8 @@
 
 One op per public function (``fp8kv::write_kv``, ``fp8kv::write_kv_combined``,
 ``fp8kv::dequantize_pages``, ``fp8kv::dequantize_pages_combined``): a combined cache is its own
-op with its own argument, never a missing one.
+op with its own argument, never a missing one. With ``layer=`` the cache arguments are the
+stacked ``[num_layers, ...]`` tensors, declared mutated as a whole.
 """
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ def split_scales(key_scale, value_scale, key_scale_cache, value_scale_cache) -> 
     return (ks, vs, ksv, vsv), (ksc, vsc, ksi, vsi)
 
 
+def split_layer(layer) -> tuple:
+    """Custom ops take no ``int | Tensor``: ``layer`` as ``(int or None, tensor or None)``."""
+    return (None, layer) if isinstance(layer, Tensor) else (layer, None)
+
+
+def _layer(layer_value, layer_tensor):
+    return layer_tensor if layer_tensor is not None else layer_value
+
+
 def _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
             value_scale_cache, key_scale_inline, value_scale_inline) -> dict:
     """The launcher's scale arguments from an op's split ones (:func:`split_scales`)."""
@@ -45,13 +55,15 @@ def _write_kv(launch: bool):
                  key_scale_value: Optional[float], value_scale_value: Optional[float],
                  layout: str, fp8_format: Optional[str], key_scale_cache: Optional[Tensor],
                  value_scale_cache: Optional[Tensor], key_scale_inline: bool,
-                 value_scale_inline: bool, scale_rounding: str) -> None:
+                 value_scale_inline: bool, scale_rounding: str, layer: Optional[int],
+                 layer_tensor: Optional[Tensor]) -> None:
         s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
                     value_scale_cache, key_scale_inline, value_scale_inline)
         _launch.write_kv(key, value, key_cache, value_cache, slots, s["key_scale"],
                          s["value_scale"], layout, fp8_format, launch=launch,
                          key_scale_cache=s["key_scale_cache"],
-                         value_scale_cache=s["value_scale_cache"], scale_rounding=scale_rounding)
+                         value_scale_cache=s["value_scale_cache"], scale_rounding=scale_rounding,
+                         layer=_layer(layer, layer_tensor))
     return write_kv
 
 
@@ -62,14 +74,16 @@ def _write_kv_combined(launch: bool):
                           layout: str, fp8_format: Optional[str],
                           key_scale_cache: Optional[Tensor], value_scale_cache: Optional[Tensor],
                           key_scale_inline: bool, value_scale_inline: bool,
-                          scale_rounding: str) -> None:
+                          scale_rounding: str, layer: Optional[int],
+                          layer_tensor: Optional[Tensor]) -> None:
         s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
                     value_scale_cache, key_scale_inline, value_scale_inline)
         _launch.write_kv_combined(key, value, kv_cache, slots, s["key_scale"], s["value_scale"],
                                   layout, fp8_format, launch=launch,
                                   key_scale_cache=s["key_scale_cache"],
                                   value_scale_cache=s["value_scale_cache"],
-                                  scale_rounding=scale_rounding)
+                                  scale_rounding=scale_rounding,
+                                  layer=_layer(layer, layer_tensor))
     return write_kv_combined
 
 
@@ -82,14 +96,16 @@ def _dequantize_pages(launch: bool):
                          key_out: Tensor, value_out: Tensor, table_out: Tensor,
                          key_scale_cache: Optional[Tensor], value_scale_cache: Optional[Tensor],
                          key_scale_inline: bool, value_scale_inline: bool,
-                         head_dim: Optional[int]) -> None:
+                         head_dim: Optional[int], layer: Optional[int],
+                         layer_tensor: Optional[Tensor]) -> None:
         s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
                     value_scale_cache, key_scale_inline, value_scale_inline)
         _launch.dequantize_pages(key_cache, value_cache, block_table, s["key_scale"],
                                  s["value_scale"], key_out.dtype, layout, fp8_format, null_page,
                                  (key_out, value_out, table_out), launch=launch,
                                  key_scale_cache=s["key_scale_cache"],
-                                 value_scale_cache=s["value_scale_cache"], head_dim=head_dim)
+                                 value_scale_cache=s["value_scale_cache"], head_dim=head_dim,
+                                 layer=_layer(layer, layer_tensor))
     return dequantize_pages
 
 
@@ -102,7 +118,8 @@ def _dequantize_pages_combined(launch: bool):
                                   kv_out: Tensor, table_out: Tensor,
                                   key_scale_cache: Optional[Tensor],
                                   value_scale_cache: Optional[Tensor], key_scale_inline: bool,
-                                  value_scale_inline: bool, head_dim: Optional[int]) -> None:
+                                  value_scale_inline: bool, head_dim: Optional[int],
+                                  layer: Optional[int], layer_tensor: Optional[Tensor]) -> None:
         s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
                     value_scale_cache, key_scale_inline, value_scale_inline)
         _launch.dequantize_pages_combined(kv_cache, block_table, s["key_scale"],
@@ -110,7 +127,7 @@ def _dequantize_pages_combined(launch: bool):
                                           null_page, (kv_out, table_out), launch=launch,
                                           key_scale_cache=s["key_scale_cache"],
                                           value_scale_cache=s["value_scale_cache"],
-                                          head_dim=head_dim)
+                                          head_dim=head_dim, layer=_layer(layer, layer_tensor))
     return dequantize_pages_combined
 
 
