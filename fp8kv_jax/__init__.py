@@ -28,7 +28,7 @@ from fp8kv.validate import (check_bool, check_dequantize, check_layer_in_range,
                             check_slots_in_range, check_table_in_range, check_write,
                             dequantized_shape, frontend_args)
 
-from . import _args, _jnp, _triton
+from . import _args, _jnp, _shard, _triton
 from ._args import as_array, as_scales, device_array
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
@@ -71,12 +71,16 @@ def _write(arrays: dict, scales: dict, layout, fp8_format, scale_rounding, check
     sides = {name: device_array(scales[name]) for name in _SIDE_ARRAYS}
     given = {**arrays, **{name: device_array(s) for name, s in scales.items()},
              "layer": device_array(layer)}
+    has_side = any(s is not None for s in sides.values())
     if args.num_tokens == 0:  # nothing to write: no launch
         updated = given
     else:
         impl = _triton if _args.use_triton([*arrays.values(), *sides.values()]) else _jnp
-        updated = impl.write_kv(given, args=args)
-    has_side = any(s is not None for s in sides.values())
+        written = caches + [n for n in _SIDE_ARRAYS if sides[n] is not None]
+        options = dict(layout=layout, fp8_format=fp8_format, scale_rounding=scale_rounding,
+                       layer=layer if given["layer"] is None else None,
+                       **{n: s for n, s in scales.items() if given[n] is None})
+        updated = _shard.run("write", impl, given, args, tuple(written), options)
     tail = [updated.get(name) for name in _SIDE_ARRAYS] if has_side else []
     return tuple(updated[name] for name in caches) + tuple(tail)
 
@@ -238,7 +242,10 @@ def _dequantize(arrays: dict, scales: dict, dtype, layout, fp8_format, null_page
              "layer": device_array(layer)}
     sides = [device_array(scales[name]) for name in _SIDE_ARRAYS]
     impl = _triton if _args.use_triton([*arrays.values(), *sides]) else _jnp
-    out = impl.dequantize_pages(given, args=args)
+    options = dict(layout=layout, fp8_format=fp8_format, null_page=null_page, head_dim=head_dim,
+                   layer=layer if given["layer"] is None else None,
+                   **{n: s for n, s in scales.items() if given[n] is None})
+    out = _shard.run("dequantize", impl, given, args, outputs, options)
     return tuple(out[name] for name in outputs)
 
 
