@@ -30,13 +30,14 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from . import (accuracy, dequant, dynamic, eager, jax_profile, jax_tables,  # noqa: E402
-               small_writes, sweep, write_torch)
+from . import (accuracy, dequant, dynamic, eager, jax_layers, jax_profile,  # noqa: E402
+               jax_tables, small_writes, sweep, write_torch)
 from .common import Timer, copy_bandwidth, free_memory, make_config  # noqa: E402
 from .plot import plot_table  # noqa: E402
 from .results import Table, markdown, write_csv  # noqa: E402
 
-TABLES = ("write", "variants", "small", "dequant", "dynamic", "eager", "sweep", "accuracy", "jax")
+TABLES = ("write", "variants", "small", "dequant", "dynamic", "eager", "sweep", "accuracy", "jax",
+          "jax_layers")
 CPU_LABEL = "CPU interpreter - not performance"
 CPU_BANNER = ("No CUDA GPU found: only a short harness check runs, through Triton's CPU "
               "interpreter; its numbers are not performance.")
@@ -203,7 +204,7 @@ def main(argv=None) -> None:
     if "accuracy" in args.only:
         _accuracy(args.out, report)
     # JAX last: see bench.jax_tables for why.
-    if "jax" in args.only or "dequant" in report.tables:
+    if args.only & {"jax", "jax_layers"} or "dequant" in report.tables:
         _jax_phase(args, cfg, copy_gbps, cuda, report)
 
     text = report.markdown()
@@ -242,17 +243,21 @@ def _jax_phase(args, cfg, copy_gbps, cuda, report: Report) -> None:
         loaded, reason = jax_tables.load_jax(cuda)
         if loaded is None:
             print(f"JAX: {reason}", flush=True)
-            if "jax" in args.only:
+            if args.only & {"jax", "jax_layers"}:
                 report.add_note(f"JAX tables {reason}")
             if "dequant" in report.tables:
                 report.tables["dequant"].note(f"fp8kv-jax rows {reason}")
                 report.emit(report.tables["dequant"])
             return
         jax, fp8kv_jax = loaded
+        builds = []
         if "jax" in args.only:
-            builds = [jax_tables.table_write_jax, jax_tables.table_write_jax_calls,
-                      jax_tables.tables_write_jax_cache, jax_tables.table_dequant_jax_calls,
-                      jax_profile.table_jax_call_phases]
+            builds += [jax_tables.table_write_jax, jax_tables.table_write_jax_calls,
+                       jax_tables.tables_write_jax_cache, jax_tables.table_dequant_jax_calls,
+                       jax_profile.table_jax_call_phases]
+        if "jax_layers" in args.only:   # many layers per jitted step (bench.jax_layers)
+            builds += list(jax_layers.TABLES)
+        if builds:
             for build in builds:
                 try:
                     made = build(jax, fp8kv_jax, cfg, copy_gbps, cuda)
