@@ -12,8 +12,9 @@ has.
 Argument names are the public ones (``key``, ``value``, ``key_cache``, ``value_cache``,
 ``kv_cache``, ``slots``, ``key_scale``, ``value_scale``, ``key_scale_cache``,
 ``value_scale_cache``, ``block_table``, ``layer``) plus the dequantize outputs ``key_out``,
-``value_out``, ``kv_out`` and ``table_out``. A combined cache is one argument, ``kv_cache``, read through both
-cache parameters (the plan's offset finds V) and written through the K output alone.
+``value_out``, ``kv_out`` and ``table_out``. A combined cache is one argument, ``kv_cache``,
+read through both cache parameters (the plan's offset finds V) and written through the K output
+alone.
 """
 from __future__ import annotations
 

@@ -462,10 +462,10 @@ def unstack(layer, device: str, key_cache, value_cache, kv_cache, key_scale_cach
     for name, cache in caches.items():
         if not isinstance(cache, ArrayInfo) or cache.ndim not in ((5, 6) if kv_cache is not None
                                                                   else (4, 5)):
-            shape = fmt_shape(cache.shape) if isinstance(cache, ArrayInfo) else "no array"
+            got = (f"shape {fmt_shape(cache.shape)}" if isinstance(cache, ArrayInfo)
+                   else "no array")
             raise ValueError(f"{name}: expected a stacked cache [num_layers, ...] of rank {ranks} "
-                             f"(layer= is given), got {'shape ' if isinstance(cache, ArrayInfo) else ''}"
-                             f"{shape}")
+                             f"(layer= is given), got {got}")
     first_name, first = next(iter(caches.items()))
     for name, cache in caches.items():
         if cache.shape != first.shape:

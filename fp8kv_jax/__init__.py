@@ -1,9 +1,12 @@
 """JAX frontend of fp8kv: exact FP8 paged KV-cache write and page dequantization.
 
-Arrays on an NVIDIA GPU run the core's compiled Triton kernels through jax-triton (imported on
-first use); everywhere else (CPU, TPU) a pure-jnp path gives the very same bytes (docs/SPEC.md). Under a
-trace (``jax.jit``, ``shard_map``) the path is that of JAX's default device (``jax.default_device``
-selects another).
+Arrays on an NVIDIA GPU run the core's compiled Triton kernels, handed to XLA as its own Triton
+call where the installed jaxlib and triton allow (``FP8KV_JAX_XLA_TRITON=0`` turns that off), else
+through jax-triton (imported on first use); everywhere else (CPU, TPU) a pure-jnp path gives the
+very same bytes (docs/SPEC.md). Under a trace (``jax.jit``, ``shard_map``) the path is that of
+JAX's default device (``jax.default_device`` selects another). Caches sharded with a
+``NamedSharding`` stay sharded under plain ``jax.jit``: every call has a partitioning rule
+(docs/SPEC.md section 13).
 
 Every function returns new arrays. To update a cache in place, donate it under ``jax.jit``:
 
@@ -15,6 +18,20 @@ Every function returns new arrays. To update a cache in place, donate it under `
 >>> k_cache, v_cache = step(x, x, k_cache, v_cache, jnp.array([3, 40]))
 >>> k_cache[2, 8, 0, :2].astype(jnp.float32).tolist()         # slot 40 = page 2, offset 8
 [2.0, 2.0]
+
+Stacked ``[num_layers, ...]`` caches and ``layer=`` (docs/SPEC.md section 12): a decode step over
+the layers with ``lax.scan``, the stacks carried and updated in place:
+
+>>> def layer_step(caches, xs):
+...     layer, k, v = xs                                       # this layer's new K/V
+...     return fp8kv_jax.write_kv(k, v, *caches, jnp.array([3, 40]), 0.5, 0.5, layer=layer), None
+>>> decode = jax.jit(lambda caches, xs: jax.lax.scan(layer_step, caches, xs)[0],
+...                  donate_argnums=(0,))
+>>> stacks = tuple(jnp.zeros((3, 4, 16, 1, 8), jnp.float8_e4m3fn) for _ in "kv")  # 3 layers
+>>> kv = jnp.arange(1, 4, dtype=jnp.bfloat16)[:, None, None, None] * jnp.ones((3, 2, 1, 8))
+>>> k_stack, v_stack = decode(stacks, (jnp.arange(3), kv, kv))
+>>> k_stack[:, 2, 8, 0, 0].astype(jnp.float32).tolist()             # each layer its own K
+[2.0, 4.0, 6.0]
 """
 from __future__ import annotations
 

@@ -111,7 +111,8 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     Note
     ----
     ``key_cache`` and ``value_cache`` (and the scale caches) are modified in place; bytes that no
-    written slot names are never touched (with ``layer``: nor any other layer). Rounding is IEEE fp32 division, then round-to-nearest-even with saturation
+    written slot names are never touched (with ``layer``: nor any other layer). Rounding is
+    IEEE fp32 division, then round-to-nearest-even with saturation
     (NaN -> 0x7F), identical on every backend (see docs/SPEC.md).
 
     Examples

@@ -301,7 +301,8 @@ BAD_LAYERS = {
                       r"kv_cache: expected a stacked cache \[num_layers, ...\] of rank 5 or 6 "
                       r"\(layer= is given\), got shape \[5, 16, 2, 8\]"),
     "combined-no-kv-axis": (lambda: fp8kv_jax.write_kv_combined(X, X, STACK, SLOTS, layer=0),
-                            ValueError, r"kv_cache: expected a combined cache \[num_pages, 2, ...\]"),
+                            ValueError,
+                            r"kv_cache: expected a combined cache \[num_pages, 2, ...\]"),
     "check-bounds-past": (_write(layer=4, check_bounds=True), ValueError,
                           r"layer: expected 0 <= layer < 4 \(num_layers\), got 4"),
     "check-bounds-negative": (_write(layer=jnp.int32(-1), check_bounds=True), ValueError,

@@ -147,8 +147,8 @@ def test_cuda_graph_replays_a_layer_tensor():
     t = tensors(args, "cuda")
     layer = torch.tensor(0, dtype=torch.int64, device="cuda")
     table = torch.tensor([[0, 1, 4]], dtype=torch.int32, device="cuda")
-    outs = tuple(torch.empty(3, 4, 3, 80, dtype=torch.bfloat16, device="cuda") for _ in range(2)) + (
-        torch.empty(1, 3, dtype=torch.int32, device="cuda"),)
+    pages = [torch.empty(3, 4, 3, 80, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    outs = (*pages, torch.empty(1, 3, dtype=torch.int32, device="cuda"))
 
     def step():
         fp8kv_torch.write_kv(**t, layer=layer)

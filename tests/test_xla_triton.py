@@ -368,3 +368,43 @@ def test_gpu_xla_call_matches_jax_triton_and_the_reference(case, monkeypatch):
     for a, b, want in zip(xla, jt, expected, strict=True):
         assert_same_bits(a, want)
         assert_same_bits(b, want)
+
+
+@needs_versions
+@pytest.mark.parametrize("stacked", [False, True], ids=["one-layer", "stacked"])
+def test_xla_call_ir_keeps_16_byte_accesses(stacked):
+    """The IR handed to XLA (every scalar a constant, unused pointers gone), compiled for sm_90
+    by the triton package: 16-byte loads and stores on the default shapes, IEEE division, no
+    flush-to-zero -- what the compiled kernels rely on, here without runtime scalars."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    layers = (4,) if stacked else ()
+    x = ArrayInfo.contiguous((4096, 8, 128), "bfloat16", "jax")
+    cache = ArrayInfo.contiguous(layers + (300, 16, 8, 128), "float8_e4m3fn", "jax")
+    slots = ArrayInfo.contiguous((4096,), "int32", "jax")
+    args = check_write(x, x, cache, cache, slots, 0.37, 0.37, layout="NHD", fp8_format=None,
+                       layer=2 if stacked else None)
+    args, _ = _xla_triton.device_scalars(args, {})
+    call = _xla_triton.kernel_call(ops._write_kv_kernel, plan_write(args, CUDA),
+                                   write_operands(args))
+    dtypes = dict(key_ptr="bfloat16", value_ptr="bfloat16", key_cache_ptr="float8_e4m3fn",
+                  value_cache_ptr="float8_e4m3fn", slot_ptr="int32", key_scale_ptr="float32",
+                  value_scale_ptr="float32", layer_ptr="int32",
+                  key_cache_out_ptr="float8_e4m3fn", value_cache_out_ptr="float8_e4m3fn")
+    types = dict(call.pointer_types(dtypes))
+    consts = dict(call.constants)
+    signature_, constexprs, attrs = {}, {}, {}
+    for index, name in enumerate(ops._write_kv_kernel.arg_names):
+        if name in consts:
+            signature_[name], constexprs[(index,)] = "constexpr", consts[name]
+        else:
+            signature_[name], attrs[(index,)] = types[name], [["tt.divisibility", 16]]
+    compiled = triton.compile(
+        ASTSource(ops._write_kv_kernel, signature_, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=call.num_warps, enable_fp_fusion=False))
+    ptx = compiled.asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert "div.rn.f32" in ptx and "ftz" not in ptx
