@@ -47,8 +47,10 @@ from fp8kv.validate import (check_bool, check_dequantize, check_layer_in_range,
 
 from . import _args, _jnp, _shard, _triton
 from ._args import as_array, as_scales, device_array
+from ._xla_triton import XlaTritonWarning
 
-__all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined"]
+__all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
+           "XlaTritonWarning"]
 
 Scale = Union[float, jax.Array, None]
 ScaleCache = Union[jax.Array, str, None]

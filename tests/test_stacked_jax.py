@@ -219,6 +219,18 @@ def test_loop_over_layers_updates_donated_stacks_in_place(loop, platform, dtype,
         assert_same_bits(got, want)
 
 
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("loop", LOOPS)
+def test_gpu_loop_over_layers_in_place_through_jax_triton(loop, monkeypatch):
+    """The same loops with FP8KV_JAX_XLA_TRITON=0: jax-triton's custom call aliases the whole
+    stacks too."""
+    monkeypatch.setenv("FP8KV_JAX_XLA_TRITON", "0")
+    jax.clear_caches()
+    test_loop_over_layers_updates_donated_stacks_in_place(loop, "gpu", "float8_e4m3fn", TOKENS)
+    test_loop_over_layers_updates_donated_stacks_in_place(loop, "gpu", "uint8", 1)
+
+
 def test_hlo_check_sees_a_copy_without_donation():
     """The copy check is not vacuous: without donation XLA copies each stack."""
     caches, keys, values, slots = loop_inputs()
