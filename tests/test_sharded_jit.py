@@ -8,7 +8,6 @@ raise, naming ``jax.shard_map``. The 2-GPU variant runs the same scenarios where
 """
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -124,7 +123,7 @@ def scenario(name: str, count: int = 4) -> str:
     mesh = Mesh(devices.reshape((2, count // 2) if len(axes) == 2 else (count,)), axes)
     args = _inputs(name)
     if stacked and op == "dequantize":
-        args["layer"] = np.int32(1)
+        args["layer"] = np.array(1, np.int32)   # a traced layer (a replicated array)
     sharded = {}
     for n, a in args.items():
         if not isinstance(a, np.ndarray):
