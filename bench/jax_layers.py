@@ -151,7 +151,8 @@ def _time(jax, steps: dict, cfg: Config, calls: int, table: Table, row_bytes: di
 
 def _calls(cfg: Config, tokens: int, layers: int) -> int:
     """Steps per timed round: fewer where one step is long (it dominates the host's noise)."""
-    return max(3, min(cfg.eager_calls, cfg.eager_calls * 256 // max(tokens * layers, 256)))
+    return max(min(10, cfg.eager_calls),
+               min(cfg.eager_calls, cfg.eager_calls * 256 // max(tokens * layers, 256)))
 
 
 def tables_per_layer(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool):
