@@ -327,7 +327,7 @@ def test_unmakeable_ir_falls_back_to_jax_triton_with_a_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("a dialect this jaxlib does not know")
 
-    monkeypatch.setattr(_xla_triton, "jaxlib_bytecode", broken)
+    monkeypatch.setattr(_xla_triton, "_ir", broken)
     jax.clear_caches()   # a launch traced by an earlier test would not look at the IR again
     case = WRITE_CASES[0]
     inputs = write_inputs(case)
