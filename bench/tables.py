@@ -69,6 +69,13 @@ ENTRIES = (
     Entry("jax cache sizes", "jax_tables:tables_write_jax_cache", "jax", only=("jax",)),
     Entry("jax dequant calls", "jax_tables:table_dequant_jax_calls", "jax", only=("jax",)),
     Entry("jax call phases", "jax_profile:table_jax_call_phases", "jax", only=("jax",)),
+    Entry("jax layers", "jax_layers:tables_per_layer", "jax", only=("jax_layers",),
+          about="many layers per jitted step: per-layer caches, stacked caches under lax.scan "
+                "and a Python loop, a stacked prefill dequantize, against XLA's scatter / "
+                "gather; a profile of the per-call cost"),
+    Entry("jax layers stacked", "jax_layers:table_stacked", "jax", only=("jax_layers",)),
+    Entry("jax layers dequant", "jax_layers:table_dequant", "jax", only=("jax_layers",)),
+    Entry("jax layers profile", "jax_layers:table_profile", "jax", only=("jax_layers",)),
     Entry("jax dequant rows", "jax_tables:add_dequant_rows", "jax-rows", only=("dequant",),
           needs="dequant"),
 )

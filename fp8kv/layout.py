@@ -141,3 +141,32 @@ def inline_data(cache: PagedCache, head_dim: int) -> PagedCache:
     """An inline-scale cache as pages of its data: rows of ``head_dim`` codes, the scale after."""
     return PagedCache(cache.num_pages, cache.page_size, cache.num_heads, head_dim,
                       cache.stride_page, cache.stride_slot, cache.stride_head, cache.offset)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stacked caches: a leading layer axis on every cache argument (docs/SPEC.md section 14).
+
+@dataclass(frozen=True)
+class Layers:
+    """The layer axis of a call's stacked arrays and which layer it reads or writes.
+
+    Strides are in elements of each array (0 for an array the call does not have); the caches'
+    geometry (:class:`PagedCache`, :class:`ScaleCache`) is then one layer's. ``index``: the host
+    layer (may be out of range), or None when a device array names it.
+    """
+
+    num_layers: int
+    stride_key_cache: int
+    stride_value_cache: int
+    stride_key_scale_cache: int = 0
+    stride_value_scale_cache: int = 0
+    index: int | None = None
+
+    @property
+    def on_device(self) -> bool:
+        return self.index is None
+
+    @property
+    def host_in_range(self) -> bool:
+        """A host layer that names a layer of the stack."""
+        return self.index is not None and 0 <= self.index < self.num_layers

@@ -80,3 +80,16 @@ class OutKind(enum.IntEnum):
 
 
 OUT_KIND_OF_DTYPE = {kind.name.lower(): kind for kind in OutKind}   # members named after dtypes
+
+
+class LayerKind(enum.Enum):
+    """How a call names the layer of stacked caches (docs/SPEC.md section 14); ``value`` is the
+    kernels' ``LAYER_KIND`` id."""
+
+    NONE = 0     # no layer axis: the caches are one layer's
+    VALUE = 1    # a host int, passed as a runtime scalar (one kernel for every layer)
+    TENSOR = 2   # an int32 / int64 device scalar, read by the kernel
+
+    @property
+    def id(self) -> int:
+        return self.value

@@ -11,10 +11,11 @@ has.
 
 Argument names are the public ones (``key``, ``value``, ``key_cache``, ``value_cache``,
 ``kv_cache``, ``slots``, ``key_scale``, ``value_scale``, ``key_scale_cache``,
-``value_scale_cache``, ``block_table``, ``out_scale``) plus the dequantize outputs ``key_out``,
-``value_out``, ``kv_out`` and ``table_out``. An nvfp4 side reads its global scale (``key_scale``)
-and its block scales (``key_scale_cache``) through two parameters. A combined cache is one argument, ``kv_cache``, read through both
-cache parameters (the plan's offset finds V) and written through the K output alone.
+``value_scale_cache``, ``block_table``, ``out_scale``, ``layer``) plus the dequantize outputs
+``key_out``, ``value_out``, ``kv_out`` and ``table_out``. An nvfp4 side reads its global scale
+(``key_scale``) and its block scales (``key_scale_cache``) through two parameters. A combined
+cache is one argument, ``kv_cache``, read through both cache parameters (the plan's offset finds
+V) and written through the K output alone.
 """
 from __future__ import annotations
 
@@ -80,6 +81,15 @@ def _scale_input(side: str, scale: SideScale, placeholder: str) -> Operand:
     if scale.kind.on_device:
         return Operand(f"{side}_scale_ptr", f"{side}_scale")
     return Operand(f"{side}_scale_ptr", placeholder, used=False)
+
+
+def layer_input(args, placeholder: str) -> Operand:
+    """The ``layer_ptr`` parameter: the ``layer`` argument where a device array names the
+    layer of stacked caches (docs/SPEC.md section 14), else the placeholder (nothing read). Every
+    kernel that takes stacked caches takes it last of its inputs."""
+    if args.layers is not None and args.layers.on_device:
+        return Operand("layer_ptr", "layer")
+    return Operand("layer_ptr", placeholder, used=False)
 
 
 def _caches(combined: bool) -> tuple[str, str]:
@@ -150,7 +160,8 @@ def write_operands(args) -> OperandMap:
               Operand("key_cache_ptr", kc), Operand("value_cache_ptr", vc),
               Operand("slot_ptr", "slots"),
               _scale_input("key", args.key_scale, WRITE_PLACEHOLDER),
-              _scale_input("value", args.value_scale, WRITE_PLACEHOLDER))
+              _scale_input("value", args.value_scale, WRITE_PLACEHOLDER),
+              layer_input(args, WRITE_PLACEHOLDER))
     outputs = [Operand("key_cache_out_ptr", kc, aliases="key_cache_ptr"),
                # A combined cache is one buffer: V goes through the K output (SHARED_OUT).
                Operand("value_cache_out_ptr", None, used=False) if args.combined else
@@ -172,7 +183,8 @@ def dequantize_operands(args) -> OperandMap:
     inputs = (Operand("key_cache_ptr", kc), Operand("value_cache_ptr", vc),
               Operand("table_ptr", "block_table"),
               _scale_input("key", args.key_scale, DEQUANTIZE_PLACEHOLDER),
-              _scale_input("value", args.value_scale, DEQUANTIZE_PLACEHOLDER))
+              _scale_input("value", args.value_scale, DEQUANTIZE_PLACEHOLDER),
+              layer_input(args, DEQUANTIZE_PLACEHOLDER))
     if args.combined:
         pages = (Operand("key_out_ptr", "kv_out"), Operand("value_out_ptr", None, used=False))
     else:

@@ -13,7 +13,7 @@ import triton
 
 from .arrays import ArrayInfo
 from .layout import combined_halves, paged
-from .modes import OUT_KIND_OF_DTYPE, ScaleKind, SideScale
+from .modes import OUT_KIND_OF_DTYPE, LayerKind, ScaleKind, SideScale
 from .validate import DequantArgs, WriteArgs
 
 INTERPRET, CUDA = "interpret", "cuda"
@@ -118,6 +118,25 @@ def _shared(args: WriteArgs | DequantArgs, backend: str, exact: bool | None) -> 
     return scalars, constexprs
 
 
+def layer_params(args) -> tuple[dict, dict]:
+    """``(scalars, constexprs)`` of stacked caches (``args.layers``; docs/SPEC.md section 14):
+    the host layer (a runtime scalar, so that one compiled kernel serves every layer; 0 where a
+    device array names it or there is no layer axis), how the kernel finds it
+    (``LAYER_KIND``), the stack's depth and each stacked array's layer stride. Any kernel with
+    cache pointers takes them alike (:func:`fp8kv.ops.layers.select_layer`)."""
+    layers = args.layers
+    if layers is None:
+        kind, layers_ = LayerKind.NONE, None
+    else:
+        kind, layers_ = (LayerKind.TENSOR if layers.on_device else LayerKind.VALUE), layers
+    return ({"layer": 0 if layers_ is None or layers_.on_device else layers_.index},
+            {"LAYER_KIND": kind.id, "NUM_LAYERS": 0 if layers_ is None else layers_.num_layers,
+             "STRIDE_KC_LAYER": 0 if layers_ is None else layers_.stride_key_cache,
+             "STRIDE_VC_LAYER": 0 if layers_ is None else layers_.stride_value_cache,
+             "STRIDE_KSC_LAYER": 0 if layers_ is None else layers_.stride_key_scale_cache,
+             "STRIDE_VSC_LAYER": 0 if layers_ is None else layers_.stride_value_scale_cache})
+
+
 INT32_REACH = 2**31 - 1  # the largest element offset that int32 address arithmetic may form
 
 
@@ -159,6 +178,9 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
     small = args.num_tokens * row <= sizes["small_batch_elems"]
     key, value = args.key, args.value
     scalars, constexprs = _shared(args, backend, exact)
+    layer_scalars, layer_constexprs = layer_params(args)   # stacked caches
+    scalars.update(layer_scalars)
+    constexprs.update(layer_constexprs)
     scalars.update(num_tokens=args.num_tokens, num_slots=kc.num_slots)
     constexprs.update(
         STRIDE_KEY_TOKEN=key.strides[0], STRIDE_KEY_HEAD=key.strides[1],
@@ -206,6 +228,9 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
         chunks = triton.cdiv(page_elems, block)
     table = args.block_table
     scalars, constexprs = _shared(args, backend, exact)
+    layer_scalars, layer_constexprs = layer_params(args)   # stacked caches
+    scalars.update(layer_scalars)
+    constexprs.update(layer_constexprs)
     scalars.update(
         pages_per_seq=max(args.pages_per_seq, 1), stride_table_seq=table.strides[0],
         stride_table_page=table.strides[1], num_pages=kc.num_pages,

@@ -176,13 +176,16 @@ def _side_scales_view(scale_cache: np.ndarray, cache_shape, layout: str, name: s
 
 def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_scale=None, *,
              layout="NHD", fp8_format=None, key_scale_cache=None, value_scale_cache=None,
-             scale_rounding="exact", cache_format=None):
+             scale_rounding="exact", cache_format=None, layer=None):
     """Reference ``write_kv``: new copies of the caches; nothing is modified in place.
 
     ``cache_format="nvfp4"`` (docs/SPEC.md section 13): uint8 caches ``[..., D/2]``, block-scale
     arrays ``key_scale_cache`` / ``value_scale_cache`` ``[..., D/16]`` (e4m3 or uint8), global
     scales ``key_scale`` / ``value_scale``; returns ``(key_cache, value_cache, key_scale_cache,
     value_scale_cache)``, each a new copy.
+
+    ``layer`` (docs/SPEC.md section 14): the caches and side scale arrays are stacked
+    ``[num_layers, ...]`` and layer ``layer`` is written (:func:`write_kv_layer`).
 
     Static scales (``key_scale`` / ``value_scale``: None, a float, ``[]``, ``[1]`` or ``[H]``)
     quantize every token with the same scale. Dynamic scales: pass ``key_scale_cache`` (and/or
@@ -205,6 +208,12 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
     side has no side array: static scales or ``"inline"``).
     """
     check_choice(scale_rounding, "scale_rounding", SCALE_ROUNDINGS)
+    if layer is not None:
+        return write_kv_layer(layer, key, value, key_cache, value_cache, slots, key_scale,
+                              value_scale, layout=layout, fp8_format=fp8_format,
+                              key_scale_cache=key_scale_cache,
+                              value_scale_cache=value_scale_cache, scale_rounding=scale_rounding,
+                              cache_format=cache_format)
     if _is_nvfp4(fp8_format, cache_format):
         return _write_kv_nvfp4(key, value, key_cache, value_cache, slots, key_scale, value_scale,
                                layout, key_scale_cache, value_scale_cache)
@@ -257,13 +266,16 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
 def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_scale=None, *,
                      dtype="bfloat16", layout="NHD", fp8_format=None, null_page=None,
                      key_scale_cache=None, value_scale_cache=None, head_dim=None,
-                     cache_format=None, out_scale=None):
+                     cache_format=None, out_scale=None, layer=None):
     """Reference ``dequantize_pages``: ``(key_pages, value_pages, new_block_table)``.
 
     ``cache_format="nvfp4"``: block scales in ``key_scale_cache`` / ``value_scale_cache``, global
     scales in ``key_scale`` / ``value_scale``; pages of ``D = 2 x`` the caches' last dimension.
     ``dtype="float8_e4m3fn"`` (nvfp4 only) gives e4m3 codes of the values divided by
     ``out_scale`` (None: 1).
+
+    ``layer`` (docs/SPEC.md section 14): the caches and side scale arrays are stacked
+    ``[num_layers, ...]`` and layer ``layer`` is read; out of range, every page is zero.
 
     Static scales (``key_scale`` / ``value_scale``) or dynamic ones, read per token
     (``key_scale_cache`` / ``value_scale_cache``, with that side's static scale None; K and V are
@@ -279,6 +291,25 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
     """
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
         raise TypeError(f"head_dim: expected None or an int, got {type(head_dim).__name__}")
+    if layer is not None:
+        stacks = _one_layer(layer, dict(key_cache=key_cache, value_cache=value_cache,
+                                        key_scale_cache=key_scale_cache,
+                                        value_scale_cache=value_scale_cache))
+        if stacks is None:   # out of range: every entry is padding, nothing is read
+            stacks = {n: np.zeros(np.shape(a)[1:], np.asarray(a).dtype)
+                      for n, a in (("key_cache", key_cache), ("value_cache", value_cache),
+                                   ("key_scale_cache", key_scale_cache),
+                                   ("value_scale_cache", value_scale_cache))
+                      if isinstance(a, np.ndarray)}
+            block_table = np.full(np.shape(block_table), -1, np.int64)
+        merged = dict(key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache)
+        merged.update(stacks)
+        return dequantize_pages(merged["key_cache"], merged["value_cache"], block_table,
+                                key_scale, value_scale, dtype=dtype, layout=layout,
+                                fp8_format=fp8_format, null_page=null_page,
+                                key_scale_cache=merged["key_scale_cache"],
+                                value_scale_cache=merged["value_scale_cache"], head_dim=head_dim,
+                                cache_format=cache_format, out_scale=out_scale)
     if _is_nvfp4(fp8_format, cache_format):
         return _dequantize_pages_nvfp4(key_cache, value_cache, block_table, key_scale,
                                        value_scale, dtype, layout, null_page, key_scale_cache,
@@ -592,3 +623,53 @@ def _dequantize_pages_nvfp4(key_cache, value_cache, block_table, key_scale, valu
         results.append(out)
     new_table = np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, pages_per_seq)
     return results[0], results[1], new_table
+
+
+# ---------------------------------------------------------------------------------------------
+# Stacked caches: [num_layers, ...] arrays and the layer a call reads or writes.
+# ---------------------------------------------------------------------------------------------
+
+def _one_layer(layer, stacks: dict):
+    """Layer ``layer`` of each stacked array of ``stacks`` (NumPy arrays; others are left out),
+    or None when ``layer`` is out of range (``< 0`` or ``>= num_layers``: no wrap-around)."""
+    layer = int(np.asarray(layer))
+    arrays = {n: np.asarray(a) for n, a in stacks.items() if isinstance(a, np.ndarray)}
+    num_layers = arrays["key_cache"].shape[0]
+    if not 0 <= layer < num_layers:
+        return None
+    return {n: a[layer] for n, a in arrays.items()}
+
+
+def write_kv_layer(layer, key, value, key_cache, value_cache, slots, key_scale=None,
+                   value_scale=None, **kwargs):
+    """:func:`write_kv` into layer ``layer`` of stacked ``[num_layers, ...]`` caches (and side
+    scale arrays): new copies of the whole stacks, every other layer unchanged; an out-of-range
+    ``layer`` writes nothing. Returns what :func:`write_kv` returns, with the stacks.
+
+    >>> cache = np.zeros((3, 2, 1, 1, 2), np.uint8)               # 3 layers of 2 pages x 1 slot
+    >>> k, v = write_kv_layer(1, np.ones((1, 1, 2), np.float32), np.ones((1, 1, 2), np.float32),
+    ...                       cache, cache, np.array([1]))
+    >>> k[:, 1, 0, 0].tolist()                                      # layer 1, slot 1 only
+    [[0, 0], [56, 56], [0, 0]]
+    >>> bool(write_kv_layer(3, np.ones((1, 1, 2)), np.ones((1, 1, 2)), cache, cache,
+    ...                     np.array([1]))[0].any())                  # out of range: nothing
+    False
+    """
+    stacks = dict(key_cache=key_cache, value_cache=value_cache,
+                  key_scale_cache=kwargs.get("key_scale_cache"),
+                  value_scale_cache=kwargs.get("value_scale_cache"))
+    copies = {n: np.array(a, copy=True) for n, a in stacks.items() if isinstance(a, np.ndarray)}
+    has_side = any(n.endswith("scale_cache") for n in copies)
+    one = _one_layer(layer, copies)
+    if one is not None:
+        written = write_kv(key, value, one["key_cache"], one["value_cache"], slots, key_scale,
+                           value_scale, **{**kwargs, **{n: a for n, a in one.items()
+                                                        if n.endswith("scale_cache")}})
+        names = ("key_cache", "value_cache", "key_scale_cache", "value_scale_cache")
+        for name, array in zip(names, written):
+            if array is not None:
+                copies[name][int(np.asarray(layer))] = array
+    out = (copies["key_cache"], copies["value_cache"])
+    if has_side:
+        out += (copies.get("key_scale_cache"), copies.get("value_scale_cache"))
+    return out

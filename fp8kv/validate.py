@@ -15,7 +15,7 @@ from .arrays import ArrayInfo, fmt_shape
 from .formats import (BLOCK_SCALE_DTYPES, CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, FP8_FORMATS,
                       FP8_OUTPUT_DTYPE, INPUT_DTYPES, OUTPUT_DTYPES, SLOT_DTYPES, Format,
                       resolve_format)
-from .layout import (INLINE_PADS, LAYOUTS, PagedCache, ScaleCache, block_scales_shape,
+from .layout import (INLINE_PADS, LAYOUTS, Layers, PagedCache, ScaleCache, block_scales_shape,
                      combined_halves,
                      expected_cache_shape, inline_data, paged, pages_shape,
                      scale_cache as scale_cache_geometry, scale_cache_shapes)
@@ -320,6 +320,14 @@ def _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc,
     return tuple(sides)
 
 
+def check_layers_supported(layers, fmt: Format) -> None:
+    """Stacked caches (``layer=``) are FP8 caches: the nvfp4 kernels address one layer's
+    caches (pass that layer's views, e.g. ``cache[layer]``)."""
+    if layers is not None and fmt.block_size:
+        raise ValueError(f"layer: expected None with cache_format={fmt.name!r} (stacked caches "
+                         f"take the FP8 formats; pass one layer's caches), got a layer")
+
+
 @dataclass(frozen=True)
 class WriteArgs:
     """A validated ``write_kv`` / ``write_kv_combined`` call: what the plan and the operand map
@@ -339,16 +347,20 @@ class WriteArgs:
     # data columns only) and the rounding of dynamic scales.
     inline_pad: int = 0
     scale_pow2: bool = False
+    # Stacked caches (layer=): the layer axis and the layer; None without layer=.
+    layers: Layers | None = None
 
 
 def check_write(key, value, key_cache=None, value_cache=None, slots=None, key_scale=None,
                 value_scale=None, *, layout,
                 fp8_format, kv_cache=None, key_scale_cache=None, value_scale_cache=None,
-                scale_rounding="exact", cache_format=None) -> WriteArgs:
+                scale_rounding="exact", cache_format=None, layer=None) -> WriteArgs:
     """Validate ``write_kv`` (or, with ``kv_cache``, ``write_kv_combined``) arguments."""
     layout = check_choice(layout, "layout", LAYOUTS)
     device = check_same_device({"key": key, "value": value, **_named_caches(key_cache, value_cache,
                                                                              kv_cache), "slots": slots})
+    (key_cache, value_cache, kv_cache, key_scale_cache, value_scale_cache), layers = unstack(
+        layer, device, key_cache, value_cache, kv_cache, key_scale_cache, value_scale_cache)
     for name, x in (("key", key), ("value", value)):
         check_dtype(x, name, INPUT_DTYPES)
         if x.ndim != 3:
@@ -362,6 +374,7 @@ def check_write(key, value, key_cache=None, value_cache=None, slots=None, key_sc
         raise TypeError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
     kc, vc, fmt, rank = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format,
                                      cache_format)
+    check_layers_supported(layers, fmt)
     cache_name = "kv_cache" if kv_cache is not None else "key_cache"
     num_tokens, num_heads, head_dim = key.shape
     key_scale_cache = check_scale_cache_arg(key_scale_cache, "key_scale_cache", fmt=fmt)
@@ -398,7 +411,7 @@ def check_write(key, value, key_cache=None, value_cache=None, slots=None, key_sc
         ks, vs = _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
                               layout, rank, device, num_heads)
     return WriteArgs(num_tokens, key, value, kc, vc, fmt, ks, vs, layout, kv_cache is not None,
-                     pad, pow2)
+                     pad, pow2, layers)
 
 
 @dataclass(frozen=True)
@@ -421,7 +434,7 @@ class DequantArgs:
     combined: bool = False
     inline_pad: int = 0
     out_scale: SideScale = SideScale()   # of an FP8 output (nvfp4 caches)
-
+    layers: Layers | None = None         # stacked caches (layer=), as in WriteArgs
     @property
     def head_dim(self) -> int:
         """The pages' head_dim, in elements (nvfp4: two per cache byte)."""
@@ -432,12 +445,15 @@ def check_dequantize(key_cache=None, value_cache=None, block_table=None, key_sca
                      value_scale=None, *, dtype, layout,
                      fp8_format, null_page, kv_cache=None, key_scale_cache=None,
                      value_scale_cache=None, head_dim=None, cache_format=None,
-                     out_scale=None) -> DequantArgs:
+                     out_scale=None, layer=None) -> DequantArgs:
     layout = check_choice(layout, "layout", LAYOUTS)
     device = check_same_device({**_named_caches(key_cache, value_cache, kv_cache),
                                 "block_table": block_table})
+    (key_cache, value_cache, kv_cache, key_scale_cache, value_scale_cache), layers = unstack(
+        layer, device, key_cache, value_cache, kv_cache, key_scale_cache, value_scale_cache)
     kc, vc, fmt, rank = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format,
                                      cache_format)
+    check_layers_supported(layers, fmt)
     cache_name = "kv_cache" if kv_cache is not None else "key_cache"
     key_scale_cache = check_scale_cache_arg(key_scale_cache, "key_scale_cache", fmt=fmt)
     value_scale_cache = check_scale_cache_arg(value_scale_cache, "value_scale_cache", fmt=fmt)
@@ -482,7 +498,7 @@ def check_dequantize(key_cache=None, value_cache=None, block_table=None, key_sca
     os = check_out_scale(out_scale, dtype, device)
     batch, pages_per_seq = block_table.shape
     return DequantArgs(batch, pages_per_seq, block_table, kc, vc, fmt, dtype, layout, rank,
-                       null_page, ks, vs, kv_cache is not None, pad, os)
+                       null_page, ks, vs, kv_cache is not None, pad, os, layers)
 
 
 def frontend_args(info, array_type: type, arrays: dict, scales: dict) -> dict:
@@ -539,3 +555,86 @@ def check_table_in_range(block_table, num_pages: int, null_page: int | None) -> 
         raise ValueError(f"block_table: expected every entry < {num_pages} (num_pages) or < 0 "
                          f"(padding), got {len(bad)} past the cache, the first "
                          f"block_table[{b}, {p}] = {int(table[b, p])}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Stacked caches (docs/SPEC.md section 14): layer= says every cache argument has a layer axis.
+
+LAYER_DTYPES = ("int32", "int64")
+
+
+def check_layer(layer, device: str):
+    """``layer``: None (no layer axis), a host int (returned as an int) or an int32 / int64 device
+    array of shape ``[]`` on ``device`` (returned as it is)."""
+    if layer is None:
+        return None
+    if isinstance(layer, ArrayInfo):
+        check_dtype(layer, "layer", LAYER_DTYPES)
+        if layer.shape != ():
+            raise ValueError(f"layer: expected an int or an array of shape [], got shape "
+                             f"{fmt_shape(layer.shape)}")
+        if layer.device != device:
+            raise ValueError(f"layer: expected device {device} (that of the caches), got "
+                             f"{layer.device}")
+        return layer
+    if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
+        raise TypeError(f"layer: expected None, an int or an int32 array of shape [], got "
+                        f"{type(layer).__name__}")
+    return int(layer)
+
+
+def unstack(layer, device: str, key_cache, value_cache, kv_cache, key_scale_cache,
+            value_scale_cache):
+    """``((key_cache, value_cache, kv_cache, key_scale_cache, value_scale_cache), layers)``.
+
+    Without ``layer``: the arguments as given and None. With it: each stacked array (a cache or
+    a side scale array; None and ``"inline"`` pass through) as one layer of it -- the layer axis
+    dropped, for the checks and plans of one layer -- and the :class:`~fp8kv.layout.Layers`.
+    Raises for a bad ``layer`` and for arrays without the same leading layer axis.
+    """
+    arrays = (key_cache, value_cache, kv_cache, key_scale_cache, value_scale_cache)
+    layer = check_layer(layer, device)
+    if layer is None:
+        return arrays, None
+    caches = _named_caches(key_cache, value_cache, kv_cache)
+    ranks = "5 or 6" if kv_cache is not None else "4 or 5"
+    for name, cache in caches.items():
+        if not isinstance(cache, ArrayInfo) or cache.ndim not in ((5, 6) if kv_cache is not None
+                                                                  else (4, 5)):
+            got = (f"shape {fmt_shape(cache.shape)}" if isinstance(cache, ArrayInfo)
+                   else "no array")
+            raise ValueError(f"{name}: expected a stacked cache [num_layers, ...] of rank {ranks} "
+                             f"(layer= is given), got {got}")
+    first_name, first = next(iter(caches.items()))
+    for name, cache in caches.items():
+        if cache.shape != first.shape:
+            raise ValueError(f"{name}: expected the shape of {first_name} "
+                             f"{fmt_shape(first.shape)}, got {fmt_shape(cache.shape)}")
+    num_layers = first.shape[0]
+    strides = []
+    for name, array in zip(("key_cache", "value_cache", "kv_cache", "key_scale_cache",
+                            "value_scale_cache"), arrays):
+        if not isinstance(array, ArrayInfo):
+            strides.append(0)
+            continue
+        if array.ndim == 0 or array.shape[0] != num_layers:
+            raise ValueError(f"{name}: expected a stacked array [num_layers={num_layers}, ...] "
+                             f"(layer= is given; the leading axis of the caches), got shape "
+                             f"{fmt_shape(array.shape)}")
+        if array.strides[0] < 0:
+            raise ValueError(f"{name}: expected non-negative strides, got "
+                             f"{fmt_shape(array.strides)}")
+        strides.append(array.strides[0])
+    k_stride, v_stride = (strides[2], strides[2]) if kv_cache is not None else strides[:2]
+    layers = Layers(num_layers, k_stride, v_stride, strides[3], strides[4],
+                    None if isinstance(layer, ArrayInfo) else layer)
+    one = tuple(a.drop_dim(0) if isinstance(a, ArrayInfo) else a for a in arrays)
+    return one, layers
+
+
+def check_layer_in_range(layer, num_layers: int) -> None:
+    """The opt-in bounds check of ``layer=``: ``0 <= layer < num_layers`` (``layer``: the host
+    value, e.g. a device array read on the host)."""
+    value = int(np.asarray(layer))
+    if not 0 <= value < num_layers:
+        raise ValueError(f"layer: expected 0 <= layer < {num_layers} (num_layers), got {value}")

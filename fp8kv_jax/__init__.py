@@ -1,10 +1,13 @@
 """JAX frontend of fp8kv: exact FP8 paged KV-cache write (with fused RoPE) and page
 dequantization.
 
-Arrays on an NVIDIA GPU run the core's compiled Triton kernels through jax-triton (imported on
-first use); everywhere else (CPU, TPU) a pure-jnp path gives the very same bytes (docs/SPEC.md). Under a
-trace (``jax.jit``, ``shard_map``) the path is that of JAX's default device (``jax.default_device``
-selects another).
+Arrays on an NVIDIA GPU run the core's compiled Triton kernels, handed to XLA as its own Triton
+call where the installed jaxlib and triton allow (``FP8KV_JAX_XLA_TRITON=0`` turns that off), else
+through jax-triton (imported on first use); everywhere else (CPU, TPU) a pure-jnp path gives the
+very same bytes (docs/SPEC.md). Under a trace (``jax.jit``, ``shard_map``) the path is that of
+JAX's default device (``jax.default_device`` selects another). Caches sharded with a
+``NamedSharding`` stay sharded under plain ``jax.jit``: every call has a partitioning rule
+(docs/SPEC.md section 15).
 
 Every function returns new arrays. To update a cache in place, donate it under ``jax.jit``:
 
@@ -16,6 +19,20 @@ Every function returns new arrays. To update a cache in place, donate it under `
 >>> k_cache, v_cache = step(x, x, k_cache, v_cache, jnp.array([3, 40]))
 >>> k_cache[2, 8, 0, :2].astype(jnp.float32).tolist()         # slot 40 = page 2, offset 8
 [2.0, 2.0]
+
+Stacked ``[num_layers, ...]`` caches and ``layer=`` (docs/SPEC.md section 14): a decode step over
+the layers with ``lax.scan``, the stacks carried and updated in place:
+
+>>> def layer_step(caches, xs):
+...     layer, k, v = xs                                       # this layer's new K/V
+...     return fp8kv_jax.write_kv(k, v, *caches, jnp.array([3, 40]), 0.5, 0.5, layer=layer), None
+>>> decode = jax.jit(lambda caches, xs: jax.lax.scan(layer_step, caches, xs)[0],
+...                  donate_argnums=(0,))
+>>> stacks = tuple(jnp.zeros((3, 4, 16, 1, 8), jnp.float8_e4m3fn) for _ in "kv")  # 3 layers
+>>> kv = jnp.arange(1, 4, dtype=jnp.bfloat16)[:, None, None, None] * jnp.ones((3, 2, 1, 8))
+>>> k_stack, v_stack = decode(stacks, (jnp.arange(3), kv, kv))
+>>> k_stack[:, 2, 8, 0, 0].astype(jnp.float32).tolist()             # each layer its own K
+[2.0, 4.0, 6.0]
 """
 from __future__ import annotations
 
@@ -26,18 +43,20 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from fp8kv.spelling import check_flag
-from fp8kv.validate import (check_dequantize, check_slots_in_range, check_table_in_range,
-                            check_write, dequantized_shape, frontend_args)
+from fp8kv.validate import (check_dequantize, check_layer_in_range, check_slots_in_range,
+                            check_table_in_range, check_write, dequantized_shape, frontend_args)
 from fp8kv.validate_rope import check_positions_in_range, check_rope_write
 
-from . import _args, _jnp, _triton
+from . import _args, _jnp, _shard, _triton
 from ._args import as_array, as_scales, device_array
+from ._xla_triton import XlaTritonWarning
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
-           "rope_write_kv", "rope_write_kv_combined"]
+           "rope_write_kv", "rope_write_kv_combined", "XlaTritonWarning"]
 
 Scale = Union[float, jax.Array, None]
 ScaleCache = Union[jax.Array, str, None]
+Layer = Union[int, jax.Array, None]
 
 
 _SIDE_ARRAYS = ("key_scale_cache", "value_scale_cache")
@@ -52,27 +71,42 @@ def _scales(key_scale, value_scale, key_scale_cache, value_scale_cache, out_scal
                                      out_scale)))
 
 
+def _check_layer_bounds(layer, layers) -> None:
+    """``check_bounds``' check of ``layer=`` (a device array is read on the host)."""
+    if layers is not None:
+        check_layer_in_range(_args.host_values(layer, "layer") if isinstance(layer, jax.Array)
+                             else layer, layers.num_layers)
+
+
 def _write(arrays: dict, scales: dict, layout, fp8_format, scale_rounding, check_bounds,
-           cache_format=None):
+           cache_format=None, layer=None):
     """The new caches (``arrays``' cache entries, in order), then the new side scale arrays
     (None for a side without one) if any is given."""
     check_flag(check_bounds, "check_bounds")
     arrays = {name: as_array(x, name) for name, x in arrays.items()}
-    args = check_write(**frontend_args(_args.info, jax.Array, arrays, scales), layout=layout,
-                       fp8_format=fp8_format, scale_rounding=scale_rounding,
+    (layer,) = as_scales(layer)
+    args = check_write(**frontend_args(_args.info, jax.Array, arrays, {**scales, "layer": layer}),
+                       layout=layout, fp8_format=fp8_format, scale_rounding=scale_rounding,
                        cache_format=cache_format)
     if check_bounds:
+        _check_layer_bounds(layer, args.layers)
         check_slots_in_range(_args.host_values(arrays["slots"], "slots"),
                              args.key_cache.num_slots)
     caches = [name for name in arrays if name.endswith("cache")]
     sides = {name: device_array(scales[name]) for name in _SIDE_ARRAYS}
-    given = {**arrays, **{name: device_array(s) for name, s in scales.items()}}
+    given = {**arrays, **{name: device_array(s) for name, s in scales.items()},
+             "layer": device_array(layer)}
+    has_side = any(s is not None for s in sides.values())
     if args.num_tokens == 0:  # nothing to write: no launch
         updated = given
     else:
         impl = _triton if _args.use_triton([*arrays.values(), *sides.values()]) else _jnp
-        updated = impl.write_kv(given, args=args)
-    has_side = any(s is not None for s in sides.values())
+        written = caches + [n for n in _SIDE_ARRAYS if sides[n] is not None]
+        options = dict(layout=layout, fp8_format=fp8_format, scale_rounding=scale_rounding,
+                       cache_format=cache_format,
+                       layer=layer if given["layer"] is None else None,
+                       **{n: s for n, s in scales.items() if given[n] is None})
+        updated = _shard.run("write", impl, given, args, tuple(written), options)
     tail = [updated.get(name) for name in _SIDE_ARRAYS] if has_side else []
     return tuple(updated[name] for name in caches) + tuple(tail)
 
@@ -82,7 +116,7 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
              layout: str = "NHD", fp8_format: str | None = None,
              key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
              scale_rounding: str = "exact", check_bounds: bool = False,
-             cache_format: str | None = None) -> tuple:
+             cache_format: str | None = None, layer: Layer = None) -> tuple:
     """Quantize ``key``/``value`` to FP8 (or NVFP4) and write them into a paged cache, in one
     launch.
 
@@ -134,11 +168,19 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
         ``key_scale_cache``/``value_scale_cache`` (required) hold the e4m3 block scales,
         ``float8_e4m3fn`` or ``uint8`` arrays of the caches' shape with last dim ``D/16``;
         ``key_scale``/``value_scale`` are the global scales.
+    layer : None, int or jax.Array
+        Stacked caches (docs/SPEC.md section 14): given, every cache (and side scale array) has
+        a leading layer axis, ``[num_layers, ...]`` with ``...`` as above, and the tokens go to
+        layer ``layer``: an int, or an int32 array of shape ``[]`` that may be traced (e.g. the
+        index of a ``lax.scan`` or ``fori_loop`` over layers: one compiled kernel serves every
+        layer). Out of range (no wrap-around): nothing is written (``check_bounds=True``:
+        ``ValueError``).
 
     Returns
     -------
     key_cache, value_cache : jax.Array
         The caches with the tokens written; every byte that no written slot names is unchanged.
+        With ``layer``, the whole stacks (every other layer unchanged).
     key_scale_cache, value_scale_cache : jax.Array or None
         Only when a side scale array is given (for K or V; always for nvfp4: the block scales):
         the arrays with the written tokens' scales (None for a side without a side array).
@@ -181,14 +223,15 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
     return _write(dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                        slots=slots),
                   _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), layout,
-                  fp8_format, scale_rounding, check_bounds, cache_format)
+                  fp8_format, scale_rounding, check_bounds, cache_format, layer)
 
 
 def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slots: jax.Array,
                       key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
                       fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
                       value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
-                      check_bounds: bool = False, cache_format: str | None = None):
+                      check_bounds: bool = False, cache_format: str | None = None,
+                      layer: Layer = None):
     """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
 
     Parameters
@@ -196,7 +239,8 @@ def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slo
     kv_cache : jax.Array
         ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD),
         ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
-        ``[num_slots, 2, num_kv_heads, head_dim]``; index 0 of dim 1 is K, index 1 is V.
+        ``[num_slots, 2, num_kv_heads, head_dim]``; index 0 of dim 1 is K, index 1 is V. With
+        ``layer``: ``[num_layers, ...]`` of these.
 
     Other parameters are those of :func:`write_kv`; side scale arrays are shaped as for one
     half of ``kv_cache`` (separate K and V arrays).
@@ -223,20 +267,23 @@ def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slo
     """
     out = _write(dict(key=key, value=value, kv_cache=kv_cache, slots=slots),
                  _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), layout,
-                 fp8_format, scale_rounding, check_bounds, cache_format)
+                 fp8_format, scale_rounding, check_bounds, cache_format, layer)
     return out[0] if len(out) == 1 else out
 
 
 def _dequantize(arrays: dict, scales: dict, dtype, layout, fp8_format, null_page, head_dim,
-                check_bounds, cache_format=None):
+                check_bounds, cache_format=None, layer=None):
     """``(key_pages, value_pages, new_block_table)``, or ``(kv_pages, new_block_table)`` for a
     combined ``arrays["kv_cache"]``."""
     check_flag(check_bounds, "check_bounds")
     arrays = {name: as_array(x, name) for name, x in arrays.items()}
-    args = check_dequantize(**frontend_args(_args.info, jax.Array, arrays, scales),
+    (layer,) = as_scales(layer)
+    args = check_dequantize(**frontend_args(_args.info, jax.Array, arrays,
+                                            {**scales, "layer": layer}),
                             dtype=_args.dtype_name(dtype), layout=layout, fp8_format=fp8_format,
                             null_page=null_page, head_dim=head_dim, cache_format=cache_format)
     if check_bounds:
+        _check_layer_bounds(layer, args.layers)
         check_table_in_range(_args.host_values(arrays["block_table"], "block_table"),
                              args.key_cache.num_pages, null_page)
     outputs = ("kv_out", "table_out") if args.combined else ("key_out", "value_out", "table_out")
@@ -244,11 +291,15 @@ def _dequantize(arrays: dict, scales: dict, dtype, layout, fp8_format, null_page
         pages = jnp.zeros(dequantized_shape(args, args.combined), args.out_dtype)
         table = jnp.zeros((args.batch, args.pages_per_seq), jnp.int32)
         return (pages,) * (len(outputs) - 1) + (table,)
-    given = {**arrays, **{name: device_array(s) for name, s in scales.items()}}
+    given = {**arrays, **{name: device_array(s) for name, s in scales.items()},
+             "layer": device_array(layer)}
     sides = [device_array(scales[name]) for name in _SIDE_ARRAYS]
     given.setdefault("out_scale", None)
     impl = _triton if _args.use_triton([*arrays.values(), *sides]) else _jnp
-    out = impl.dequantize_pages(given, args=args)
+    options = dict(layout=layout, fp8_format=fp8_format, null_page=null_page, head_dim=head_dim,
+                   cache_format=cache_format, layer=layer if given["layer"] is None else None,
+                   **{n: s for n, s in scales.items() if given[n] is None})
+    out = _shard.run("dequantize", impl, given, args, outputs, options)
     return tuple(out[name] for name in outputs)
 
 
@@ -258,8 +309,8 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
                      fp8_format: str | None = None, null_page: int | None = None,
                      key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
                      head_dim: int | None = None, check_bounds: bool = False,
-                     cache_format: str | None = None, out_scale: Scale = None
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     cache_format: str | None = None, out_scale: Scale = None,
+                     layer: Layer = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dequantize the pages a block table names into a compact paged cache + renumbered table.
 
     Parameters
@@ -302,6 +353,10 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
     out_scale : None, float or jax.Array
         With ``dtype=jnp.float8_e4m3fn``: the FP8 output's dequant scale, ``out =
         e4m3(value / out_scale)`` (a float32 ``[]``/``[1]`` array may be traced).
+    layer : None, int or jax.Array
+        Stacked caches (docs/SPEC.md section 14), as in :func:`write_kv`: the pages are read from
+        layer ``layer`` of ``[num_layers, ...]`` caches (and side scale arrays). Out of range:
+        every page is zero (``check_bounds=True``: ``ValueError``).
 
     Returns
     -------
@@ -329,7 +384,8 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
     return _dequantize(dict(key_cache=key_cache, value_cache=value_cache, block_table=block_table),
                        _scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
                                out_scale), dtype,
-                       layout, fp8_format, null_page, head_dim, check_bounds, cache_format)
+                       layout, fp8_format, null_page, head_dim, check_bounds, cache_format,
+                       layer)
 
 
 def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_scale: Scale = None,
@@ -338,8 +394,8 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
                               null_page: int | None = None, key_scale_cache: ScaleCache = None,
                               value_scale_cache: ScaleCache = None,
                               head_dim: int | None = None, check_bounds: bool = False,
-                              cache_format: str | None = None, out_scale: Scale = None
-                              ) -> tuple[jax.Array, jax.Array]:
+                              cache_format: str | None = None, out_scale: Scale = None,
+                              layer: Layer = None) -> tuple[jax.Array, jax.Array]:
     """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
 
     Parameters
@@ -347,7 +403,8 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
     kv_cache : jax.Array
         ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD),
         ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
-        ``[num_slots, 2, num_kv_heads, head_dim]``; K at index 0 of dim 1, V at index 1.
+        ``[num_slots, 2, num_kv_heads, head_dim]``; K at index 0 of dim 1, V at index 1. With
+        ``layer``: ``[num_layers, ...]`` of these.
 
     Other parameters are those of :func:`dequantize_pages` (side scale arrays shaped as for one
     half of ``kv_cache``).
@@ -376,7 +433,8 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
     return _dequantize(dict(kv_cache=kv_cache, block_table=block_table),
                        _scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
                                out_scale), dtype,
-                       layout, fp8_format, null_page, head_dim, check_bounds, cache_format)
+                       layout, fp8_format, null_page, head_dim, check_bounds, cache_format,
+                       layer)
 
 
 def _rope_write(arrays: dict, scales: dict, query_scale, query_out, return_key, rope_style,

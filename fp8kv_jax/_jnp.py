@@ -2,7 +2,8 @@
 
 Each op is one jitted function, static in the validated arguments: an eager call compiles once per
 shape, and under the caller's ``jax.jit`` it inlines, so that a donated cache is updated in place
-(the scatter writes into its operand's buffer).
+(the scatter writes into its operand's buffer). Stacked caches (``args.layers``) are indexed with
+the layer as the first index of that one scatter / gather: no layer is sliced out and back.
 """
 from __future__ import annotations
 
@@ -80,6 +81,22 @@ def _slot_index(slots, cache, layout: str, rank: int, combined: bool):
     return index + ((offset,) if layout == "NHD" else (slice(None), offset))
 
 
+def _layer_index(arrays, layers):
+    """The layer of stacked arrays as a leading ``.at[]`` index, out of range as ``num_layers``
+    (which ``mode="drop"`` skips and ``mode="fill"`` fills: no wrap-around); None without a layer
+    axis."""
+    if layers is None:
+        return None
+    if not layers.on_device:
+        return layers.index if layers.host_in_range else layers.num_layers
+    layer = arrays["layer"]
+    return jnp.where(_in_range(layer, layers.num_layers), layer, layers.num_layers)
+
+
+def _layered(layer, index: tuple) -> tuple:
+    return index if layer is None else (layer,) + index
+
+
 def _scatter(cache, index, codes):
     """Write fp8 codes as bytes: untouched bytes (NaN codes included) stay exactly as they are."""
     raw = lax.bitcast_convert_type(cache, jnp.uint8)
@@ -128,8 +145,9 @@ def write_kv(arrays: dict, *, args) -> dict:
     qk, sk = _quantize_side(arrays["key"], arrays["key_scale"], args.key_scale, args)
     qv, sv = _quantize_side(arrays["value"], arrays["value_scale"], args.value_scale, args)
     cache = arrays["kv_cache" if combined else "key_cache"]
-    rank = cache.ndim - combined
-    index = _slot_index(slots, args.key_cache, args.layout, rank, combined)
+    layer = _layer_index(arrays, args.layers)
+    rank = cache.ndim - combined - (layer is not None)
+    index = _layered(layer, _slot_index(slots, args.key_cache, args.layout, rank, combined))
     if combined:
         out = {"kv_cache": _scatter(cache, index, jnp.stack([qk, qv], axis=1))}
     else:
@@ -141,29 +159,32 @@ def write_kv(arrays: dict, *, args) -> dict:
             # either layout) as an NHD cache without heads.
             layout = args.layout if scale.dynamic is ScaleKind.TOKEN_HEAD else "NHD"
             sc = arrays[f"{side}_scale_cache"]
-            out[f"{side}_scale_cache"] = sc.at[_slot_index(slots, args.key_cache, layout, rank,
-                                                           False)].set(s, mode="drop")
+            out[f"{side}_scale_cache"] = sc.at[_layered(layer, _slot_index(
+                slots, args.key_cache, layout, rank, False))].set(s, mode="drop")
     return out
 
 
-def _gather(cache, index, num_pages: int):
-    """Pages ``index`` of ``cache`` as bytes; indices past the end give zero bytes."""
+def _gather(cache, index, num_pages: int, layer=None):
+    """Pages ``index`` of ``cache`` (of its layer ``layer`` if stacked) as bytes; indices past the
+    end give zero bytes."""
     raw = lax.bitcast_convert_type(cache, jnp.uint8)
-    if num_pages == 0:  # XLA cannot gather from an empty axis; every entry is padding anyway
-        return jnp.zeros(index.shape + raw.shape[1:], jnp.uint8)
-    return raw.at[index].get(mode="fill", fill_value=0)
+    stacked = layer is not None
+    if num_pages == 0 or (stacked and raw.shape[0] == 0):
+        # XLA cannot gather from an empty axis; every entry is padding anyway
+        return jnp.zeros(index.shape + raw.shape[1 + stacked:], jnp.uint8)
+    return raw.at[_layered(layer, (index,))].get(mode="fill", fill_value=0)
 
 
-def _stored_scales(scale_cache, codes, index, num_pages, kind, args):
+def _stored_scales(scale_cache, codes, index, num_pages, kind, args, layer=None):
     """``(codes [N, ..., D], scales broadcasting against them)`` for a dynamic side."""
     if args.inline_pad:
         d = args.key_cache.head_dim
         s = lax.bitcast_convert_type(codes[..., d:d + 4], jnp.float32)
         return codes[..., :d], s[..., None]
-    if num_pages == 0:
-        s = jnp.ones(index.shape, jnp.float32)
+    if num_pages == 0 or (layer is not None and scale_cache.shape[0] == 0):
+        s = jnp.ones(index.shape + scale_cache.shape[1 + (layer is not None):], jnp.float32)
     else:
-        s = scale_cache.at[index].get(mode="fill", fill_value=1.0)
+        s = scale_cache.at[_layered(layer, (index,))].get(mode="fill", fill_value=1.0)
     if kind is ScaleKind.TOKEN and args.cache_rank == 4:   # [N, page_size]
         s = s[:, :, None] if args.layout == "NHD" else s[:, None, :]
     elif kind is ScaleKind.TOKEN:                           # [N]
@@ -185,20 +206,23 @@ def dequantize_pages(arrays: dict, *, args) -> dict:
     if args.null_page is not None and info.min <= args.null_page <= info.max:
         keep &= entries != args.null_page
     index = jnp.where(keep, entries, num_pages)
+    layer = _layer_index(arrays, args.layers)
+    if layer is not None:   # an out-of-range layer reads nothing: zero pages (not 0 * scale)
+        keep &= layer < args.layers.num_layers
     keep = keep.reshape((-1,) + (1,) * (args.cache_rank - 1))
     trailing = 2 if args.layout == "HND" and args.cache_rank == 4 else 1  # dims after the heads
     if args.combined:
-        pages = _gather(arrays["kv_cache"], index, num_pages)
+        pages = _gather(arrays["kv_cache"], index, num_pages, layer)
         codes = pages[:, 0], pages[:, 1]
     else:
-        codes = (_gather(arrays["key_cache"], index, num_pages),
-                 _gather(arrays["value_cache"], index, num_pages))
+        codes = (_gather(arrays["key_cache"], index, num_pages, layer),
+                 _gather(arrays["value_cache"], index, num_pages, layer))
     sides = []
     for c, side, scale in ((codes[0], "key", args.key_scale), (codes[1], "value", args.value_scale)):
         s = _scale(arrays[f"{side}_scale"], scale, trailing)
         if scale.is_dynamic:
             c, s = _stored_scales(arrays[f"{side}_scale_cache"], c, index, num_pages,
-                                  scale.dynamic, args)
+                                  scale.dynamic, args, layer)
         sides.append(_dequantize(c, s, args.fmt, args.out_dtype, keep))
     k, v = sides
     new_table = jnp.arange(entries.size, dtype=jnp.int32).reshape(block_table.shape)

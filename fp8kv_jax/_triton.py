@@ -1,4 +1,5 @@
-"""The NVIDIA GPU path: the core's compiled Triton kernels, launched through jax-triton.
+"""The NVIDIA GPU path: the core's compiled Triton kernels, launched as XLA's own Triton call
+(:mod:`fp8kv_jax._xla_triton`, where the installed versions allow) or through jax-triton.
 
 Launches follow the core's plan (:mod:`fp8kv.plan`), bound by name (:mod:`fp8kv.binding`), and its
 operand map (:mod:`fp8kv.operands`), exactly as ``fp8kv_torch`` does; an array written in place is
@@ -22,6 +23,7 @@ from fp8kv.plan import CUDA, plan_dequantize, plan_write
 from fp8kv.plan_rope import plan_rope_write
 from fp8kv.validate import dequantized_shape
 
+from . import _xla_triton
 from ._args import DEVICE
 
 
@@ -48,11 +50,16 @@ def jax_triton():
 _UNUSED_OUTPUT = jax.ShapeDtypeStruct((1,), jnp.uint8)
 
 
-def _launch(kernel, plan, operands: OperandMap, arrays: dict, new: dict | None = None) -> dict:
+def _launch(kernel, plan, operands: OperandMap, arrays: dict, new: dict | None = None,
+            xla: bool = False) -> dict:
     """``triton_call`` of ``kernel``: each input parameter takes its argument from ``arrays``
     (by argument name), each output is aliased to its input (written in place), a new output
     of the shape ``new[argument]`` (a ShapeDtypeStruct), or unused. Returns the written
-    arrays by argument name."""
+    arrays by argument name. ``xla``: XLA's Triton call where the kernel's IR allows."""
+    if xla:
+        written = _xla_triton.launch(kernel, plan, operands, arrays, new)
+        if written is not None:
+            return written
     outputs = []
     for o in operands.outputs:
         if o.aliases:
@@ -83,27 +90,44 @@ def _launch(kernel, plan, operands: OperandMap, arrays: dict, new: dict | None =
     return {o.source: r for o, r in zip(operands.outputs, results) if o.used}
 
 
-@functools.partial(jax.jit, static_argnames=("args",))
 def write_kv(arrays: dict, *, args) -> dict:
     """As :func:`fp8kv_jax._jnp.write_kv`."""
-    from fp8kv import ops  # imports Triton: only on this path
-
-    plan = plan_write(args, CUDA)
-    return _launch(getattr(ops, plan.kernel), plan, write_operands(args), arrays)
+    return _write_kv(arrays, args=args, xla=_xla_triton.enabled() and not args.fmt.block_size)
 
 
-@functools.partial(jax.jit, static_argnames=("args",))
 def dequantize_pages(arrays: dict, *, args) -> dict:
     """As :func:`fp8kv_jax._jnp.dequantize_pages`."""
+    return _dequantize_pages(arrays, args=args,
+                             xla=_xla_triton.enabled() and not args.fmt.block_size)
+
+
+# The path is a static argument: FP8KV_JAX_XLA_TRITON is read per call, and a jitted function
+# traced for one path must not serve the other.
+@functools.partial(jax.jit, static_argnames=("args", "xla"))
+def _write_kv(arrays: dict, *, args, xla: bool) -> dict:
     from fp8kv import ops  # imports Triton: only on this path
 
+    if xla:
+        args, arrays = _xla_triton.device_scalars(args, arrays)
+    plan = plan_write(args, CUDA)
+    return _launch(getattr(ops, plan.kernel), plan, write_operands(args), arrays,
+                   xla=xla)
+
+
+@functools.partial(jax.jit, static_argnames=("args", "xla"))
+def _dequantize_pages(arrays: dict, *, args, xla: bool) -> dict:
+    from fp8kv import ops  # imports Triton: only on this path
+
+    if xla:
+        args, arrays = _xla_triton.device_scalars(args, arrays)
     shape = dequantized_shape(args, args.combined)
     out = ArrayInfo.contiguous(shape, args.out_dtype, DEVICE)
     plan = plan_dequantize(args, out, None if args.combined else out, CUDA)
     pages = jax.ShapeDtypeStruct(shape, jnp.dtype(args.out_dtype))
     table = jax.ShapeDtypeStruct((args.batch, args.pages_per_seq), jnp.int32)
     new = {"key_out": pages, "value_out": pages, "kv_out": pages, "table_out": table}
-    return _launch(getattr(ops, plan.kernel), plan, dequantize_operands(args), arrays, new)
+    return _launch(getattr(ops, plan.kernel), plan, dequantize_operands(args), arrays, new,
+                   xla=xla)
 
 
 @functools.partial(jax.jit, static_argnames=("args",))

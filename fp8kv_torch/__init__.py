@@ -18,7 +18,8 @@ from . import _launch
 from ._fast import FastPathWarning
 from ._spelling import output_dtype
 from ._ops import (dequantize_pages_combined_op, dequantize_pages_op, rope_write_kv_combined_op,
-                   rope_write_kv_op, split_scale, split_scales, write_kv_combined_op, write_kv_op)
+                   rope_write_kv_op, split_layer, split_scale, split_scales,
+                   write_kv_combined_op, write_kv_op)
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
            "rope_write_kv", "rope_write_kv_combined", "FastPathWarning"]
@@ -26,10 +27,12 @@ __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_page
 Tensor = torch.Tensor
 Scale = Union[float, Tensor, None]
 ScaleCache = Union[Tensor, str, None]
+Layer = Union[int, Tensor, None]
 
 
 def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache, value_scale_cache, scale_rounding, check_bounds, cache_format):
+           key_scale_cache, value_scale_cache, scale_rounding, check_bounds, cache_format,
+           layer=None):
     """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op."""
     check_flag(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
     combined = len(caches) == 1
@@ -40,20 +43,21 @@ def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format
                                             value_scale_cache)
         op = write_kv_combined_op if combined else write_kv_op
         op(key, value, *caches, slots, *scales, layout, fp8_format, *scale_caches, scale_rounding,
-           cache_format)
+           cache_format, *split_layer(layer))
     else:
         launcher = _launch.write_kv_combined if combined else _launch.write_kv
         launcher(key, value, *caches, slots, key_scale, value_scale, layout, fp8_format,
                  key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache,
                  scale_rounding=scale_rounding, check_bounds=check_bounds,
-                 cache_format=cache_format)
+                 cache_format=cache_format, layer=layer)
 
 
 def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor,
              key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
              fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
              value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
-             check_bounds: bool = False, cache_format: str | None = None) -> None:
+             check_bounds: bool = False, cache_format: str | None = None,
+             layer: Layer = None) -> None:
     """Quantize ``key``/``value`` to FP8 (or NVFP4) and write them into a paged cache, in one
     launch.
 
@@ -107,6 +111,13 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
         ``key_scale_cache``/``value_scale_cache`` (required) hold the e4m3 block scales,
         ``float8_e4m3fn`` or ``uint8`` tensors of the caches' shape with last dim ``D/16``;
         ``key_scale``/``value_scale`` are the global scales.
+    layer : None, int or torch.Tensor
+        Stacked caches (docs/SPEC.md section 14): given, every cache (and side scale array) has
+        a leading layer axis, ``[num_layers, ...]`` with ``...`` as above, and the tokens go to
+        layer ``layer``: an int (a kernel argument: one compiled kernel serves every layer) or
+        a 0-d int32 / int64 tensor on the caches' device (read by the kernel: CUDA graphs may
+        replay it with new values). Out of range (no wrap-around): nothing is written
+        (``check_bounds=True``: ``ValueError``).
 
     Returns
     -------
@@ -115,7 +126,8 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     Note
     ----
     ``key_cache`` and ``value_cache`` (and the scale caches) are modified in place; bytes that no
-    written slot names are never touched. Rounding is IEEE fp32 division, then round-to-nearest-even with saturation
+    written slot names are never touched (with ``layer``: nor any other layer). Rounding is
+    IEEE fp32 division, then round-to-nearest-even with saturation
     (NaN -> 0x7F), identical on every backend (see docs/SPEC.md).
 
     Examples
@@ -141,14 +153,15 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     """
     _write(key, value, (key_cache, value_cache), slots, key_scale, value_scale, layout,
            fp8_format, key_scale_cache, value_scale_cache, scale_rounding, check_bounds,
-           cache_format)
+           cache_format, layer)
 
 
 def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor,
                       key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
                       fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
                       value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
-                      check_bounds: bool = False, cache_format: str | None = None) -> None:
+                      check_bounds: bool = False, cache_format: str | None = None,
+                      layer: Layer = None) -> None:
     """:func:`write_kv` into one combined cache (vLLM / FlashInfer style).
 
     Parameters
@@ -160,7 +173,8 @@ def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tenso
 
     Other parameters are those of :func:`write_kv`; ``key_scale_cache``/``value_scale_cache``
     are shaped as for one half of ``kv_cache`` (e.g. views ``sc[:, 0]``, ``sc[:, 1]`` of a
-    combined scale buffer). ``kv_cache`` (and the scale caches) are modified in place.
+    combined scale buffer); with ``layer``, ``kv_cache`` is ``[num_layers, ...]`` of the above.
+    ``kv_cache`` (and the scale caches) are modified in place.
 
     Examples
     --------
@@ -172,12 +186,12 @@ def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tenso
     [[56, 56, 56, 56], [184, 184, 184, 184]]
     """
     _write(key, value, (kv_cache,), slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache, value_scale_cache, scale_rounding, check_bounds, cache_format)
+           key_scale_cache, value_scale_cache, scale_rounding, check_bounds, cache_format, layer)
 
 
 def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
                 null_page, out, key_scale_cache, value_scale_cache, head_dim, check_bounds,
-                cache_format, out_scale):
+                cache_format, out_scale, layer=None):
     """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op; returns
     the outputs, one per page array, then the new block table."""
     check_flag(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
@@ -200,17 +214,18 @@ def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_
             outs = launcher(*caches, block_table, key_scale, value_scale, dtype, layout,
                             fp8_format, null_page, launch=False, key_scale_cache=key_scale_cache,
                             value_scale_cache=value_scale_cache, head_dim=head_dim,
-                            cache_format=cache_format, out_scale=out_scale)
+                            cache_format=cache_format, out_scale=out_scale, layer=layer)
         scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
                                             value_scale_cache)
         op = dequantize_pages_combined_op if combined else dequantize_pages_op
         op(*caches, block_table, *scales, layout, fp8_format, null_page, *outs, *scale_caches,
-           head_dim, cache_format, *split_scale(out_scale))
+           head_dim, cache_format, *split_scale(out_scale), *split_layer(layer))
         return outs
     return launcher(*caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
                     null_page, outs, key_scale_cache=key_scale_cache,
                     value_scale_cache=value_scale_cache, head_dim=head_dim,
-                    check_bounds=check_bounds, cache_format=cache_format, out_scale=out_scale)
+                    check_bounds=check_bounds, cache_format=cache_format, out_scale=out_scale,
+                    layer=layer)
 
 
 def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
@@ -220,8 +235,8 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
                      out: Sequence[Tensor] | None = None, key_scale_cache: ScaleCache = None,
                      value_scale_cache: ScaleCache = None,
                      head_dim: int | None = None, check_bounds: bool = False,
-                     cache_format: str | None = None, out_scale: Scale = None
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+                     cache_format: str | None = None, out_scale: Scale = None,
+                     layer: Layer = None) -> tuple[Tensor, Tensor, Tensor]:
     """Dequantize the pages a block table names into a compact paged cache + renumbered table.
 
     Parameters
@@ -264,6 +279,10 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
     out_scale : None, float or torch.Tensor
         With ``dtype=torch.float8_e4m3fn``: the FP8 output's dequant scale, ``out =
         e4m3(value / out_scale)`` (a float32 ``[]``/``[1]`` tensor is read on the device).
+    layer : None, int or torch.Tensor
+        Stacked caches (docs/SPEC.md section 14), as in :func:`write_kv`: the pages are read from
+        layer ``layer`` of ``[num_layers, ...]`` caches (and side scale arrays). Out of range:
+        every page is zero (``check_bounds=True``: ``ValueError``).
 
     Returns
     -------
@@ -304,7 +323,7 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
     """
     return _dequantize((key_cache, value_cache), block_table, key_scale, value_scale, dtype,
                        layout, fp8_format, null_page, out, key_scale_cache, value_scale_cache,
-                       head_dim, check_bounds, cache_format, out_scale)
+                       head_dim, check_bounds, cache_format, out_scale, layer)
 
 
 def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: Scale = None,
@@ -316,8 +335,8 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
                               key_scale_cache: ScaleCache = None,
                               value_scale_cache: ScaleCache = None,
                               head_dim: int | None = None, check_bounds: bool = False,
-                              cache_format: str | None = None, out_scale: Scale = None
-                              ) -> tuple[Tensor, Tensor]:
+                              cache_format: str | None = None, out_scale: Scale = None,
+                              layer: Layer = None) -> tuple[Tensor, Tensor]:
     """:func:`dequantize_pages` from and to combined ``[N, 2, ...]`` caches (FlashInfer TRT-LLM).
 
     Parameters
@@ -336,7 +355,8 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
         ``[batch, pages_per_seq]`` int32.
 
     Other parameters are those of :func:`dequantize_pages` (dynamic scale caches shaped as for
-    one half of ``kv_cache``, e.g. views ``sc[:, 0]``, ``sc[:, 1]`` of a combined scale buffer).
+    one half of ``kv_cache``, e.g. views ``sc[:, 0]``, ``sc[:, 1]`` of a combined scale buffer;
+    with ``layer``, ``kv_cache`` is ``[num_layers, ...]`` of the above).
 
     Examples
     --------
@@ -348,7 +368,7 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
     """
     return _dequantize((kv_cache,), block_table, key_scale, value_scale, dtype, layout,
                        fp8_format, null_page, out, key_scale_cache, value_scale_cache, head_dim,
-                       check_bounds, cache_format, out_scale)
+                       check_bounds, cache_format, out_scale, layer)
 
 
 def _rope_write(query, key, value, caches, slots, positions, cos_sin_cache, key_scale,

@@ -28,8 +28,9 @@ from fp8kv.binding import BoundCall, bind
 from fp8kv.operands import OperandMap, dequantize_operands, rope_write_operands, write_operands
 from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
 from fp8kv.plan_rope import plan_rope_write
-from fp8kv.validate import (check_dequantize, check_out, check_slots_in_range, check_table_in_range,
-                            check_write, dequantized_shape, frontend_args)
+from fp8kv.validate import (check_dequantize, check_layer_in_range, check_out,
+                            check_slots_in_range, check_table_in_range, check_write,
+                            dequantized_shape, frontend_args)
 from fp8kv.validate_rope import check_positions_in_range, check_rope_write
 
 from . import _fast
@@ -38,15 +39,15 @@ from . import _fast
 # scales, then (dequantize) the outputs.
 ARGUMENTS = {
     "write": ("key", "value", "key_cache", "value_cache", "slots", "key_scale", "value_scale",
-              "key_scale_cache", "value_scale_cache"),
+              "key_scale_cache", "value_scale_cache", "layer"),
     "write_combined": ("key", "value", "kv_cache", "slots", "key_scale", "value_scale",
-                       "key_scale_cache", "value_scale_cache"),
+                       "key_scale_cache", "value_scale_cache", "layer"),
     "dequantize": ("key_cache", "value_cache", "block_table", "key_scale", "value_scale",
-                   "key_scale_cache", "value_scale_cache", "out_scale", "key_out", "value_out",
-                   "table_out"),
+                   "key_scale_cache", "value_scale_cache", "out_scale", "layer", "key_out",
+                   "value_out", "table_out"),
     "dequantize_combined": ("kv_cache", "block_table", "key_scale", "value_scale",
-                            "key_scale_cache", "value_scale_cache", "out_scale", "kv_out",
-                            "table_out"),
+                            "key_scale_cache", "value_scale_cache", "out_scale", "layer",
+                            "kv_out", "table_out"),
     # query_out last: an allocating call leaves it out and makes it per call.
     "rope_write": ("query", "key", "value", "key_cache", "value_cache", "slots", "positions",
                    "cos_sin_cache", "key_scale", "value_scale", "query_scale", "key_scale_cache",
@@ -56,6 +57,8 @@ ARGUMENTS = {
                             "key_scale_cache", "value_scale_cache", "key_out", "query_out"),
 }
 _SCALES = ("key_scale", "value_scale", "key_scale_cache", "value_scale_cache", "out_scale")
+# Optional arguments, passed to validation as they are or (a tensor) as its ArrayInfo.
+_OPTIONAL = _SCALES + ("layer",)
 _OUTPUTS = ("key_out", "value_out", "kv_out", "table_out")
 _OUT_NAMES = {"key_out": "out[0]", "value_out": "out[1]", "kv_out": "out[0]",
               "table_out": "out[-1]"}
@@ -83,6 +86,13 @@ def host_values(t: torch.Tensor, name: str):
         raise RuntimeError(f"check_bounds: reads {name} on the host (a device sync), which "
                            "CUDA-graph capture does not allow")
     return t.detach().cpu().numpy()
+
+
+def check_layer_bounds(layer, layers) -> None:
+    """``check_bounds``' check of ``layer=`` (an int or a tensor, read on the host)."""
+    if layers is not None:
+        check_layer_in_range(host_values(layer, "layer") if isinstance(layer, torch.Tensor)
+                             else layer, layers.num_layers)
 
 
 def _backend(t: torch.Tensor, name: str) -> str:
@@ -259,8 +269,8 @@ def _split(op: str, args: tuple) -> tuple[dict, dict]:
     """The call's arrays and scales by name, as :func:`fp8kv.validate.frontend_args` takes
     them (outputs apart)."""
     named = dict(zip(ARGUMENTS[op], args))
-    arrays = {n: a for n, a in named.items() if n not in _SCALES and n not in _OUTPUTS}
-    return arrays, {n: named[n] for n in _SCALES if n in named}
+    arrays = {n: a for n, a in named.items() if n not in _OPTIONAL and n not in _OUTPUTS}
+    return arrays, {n: named[n] for n in _OPTIONAL if n in named}
 
 
 def _write(op: str, args: tuple, layout, fp8_format, scale_rounding, exact, launch,
@@ -276,6 +286,7 @@ def _write(op: str, args: tuple, layout, fp8_format, scale_rounding, exact, laun
                         fp8_format=fp8_format, scale_rounding=scale_rounding,
                         cache_format=cache_format)
     if check_bounds:
+        check_layer_bounds(scales["layer"], valid.layers)
         check_slots_in_range(host_values(arrays["slots"], "slots"), valid.key_cache.num_slots)
     key = arrays["key"]
     backend = _backend(key, "key")
@@ -290,23 +301,24 @@ def _write(op: str, args: tuple, layout, fp8_format, scale_rounding, exact, laun
 
 def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
              exact=None, launch=True, key_scale_cache=None, value_scale_cache=None,
-             scale_rounding="exact", check_bounds=False, cache_format=None):
+             scale_rounding="exact", check_bounds=False, cache_format=None, layer=None):
     """Validate, plan and launch one write.
 
     ``exact`` forces the exact (True) or hardware (False) conversions; ``launch=False`` only
     validates (the fake implementation of the custom op).
     """
     _write("write", (key, value, key_cache, value_cache, slots, key_scale, value_scale,
-                     key_scale_cache, value_scale_cache),
+                     key_scale_cache, value_scale_cache, layer),
            layout, fp8_format, scale_rounding, exact, launch, check_bounds, cache_format)
 
 
 def write_kv_combined(key, value, kv_cache, slots, key_scale, value_scale, layout, fp8_format,
                       exact=None, launch=True, key_scale_cache=None, value_scale_cache=None,
-                      scale_rounding="exact", check_bounds=False, cache_format=None):
+                      scale_rounding="exact", check_bounds=False, cache_format=None,
+                      layer=None):
     """:func:`write_kv` into one combined ``kv_cache``."""
     _write("write_combined", (key, value, kv_cache, slots, key_scale, value_scale,
-                              key_scale_cache, value_scale_cache),
+                              key_scale_cache, value_scale_cache, layer),
            layout, fp8_format, scale_rounding, exact, launch, check_bounds, cache_format)
 
 
@@ -374,6 +386,7 @@ def _dequantize(op: str, args: tuple, outs, dtype, layout, fp8_format, null_page
                              dtype=dtype_name(dtype), layout=layout, fp8_format=fp8_format,
                              null_page=null_page, head_dim=head_dim, cache_format=cache_format)
     if check_bounds:
+        check_layer_bounds(scales["layer"], valid.layers)
         check_table_in_range(host_values(arrays["block_table"], "block_table"),
                              valid.key_cache.num_pages, null_page)
     first = args[0]
@@ -412,13 +425,14 @@ def _dequantize(op: str, args: tuple, outs, dtype, layout, fp8_format, null_page
 def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
                      fp8_format, null_page, outs=None, exact=None, launch=True,
                      key_scale_cache=None, value_scale_cache=None, head_dim=None,
-                     check_bounds=False, cache_format=None, out_scale=None) -> tuple:
+                     check_bounds=False, cache_format=None, out_scale=None,
+                     layer=None) -> tuple:
     """Validate, plan and launch one dequantize; returns ``(key_out, value_out, table_out)``.
 
     ``outs``: preallocated ``(key_out, value_out, table_out)``, or None to allocate them.
     """
     return _dequantize("dequantize", (key_cache, value_cache, block_table, key_scale, value_scale,
-                                      key_scale_cache, value_scale_cache, out_scale),
+                                      key_scale_cache, value_scale_cache, out_scale, layer),
                        None if outs is None else tuple(outs), dtype, layout, fp8_format,
                        null_page, head_dim, exact, launch, check_bounds, cache_format)
 
@@ -426,11 +440,13 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale
 def dequantize_pages_combined(kv_cache, block_table, key_scale, value_scale, dtype, layout,
                               fp8_format, null_page, outs=None, exact=None, launch=True,
                               key_scale_cache=None, value_scale_cache=None, head_dim=None,
-                              check_bounds=False, cache_format=None, out_scale=None) -> tuple:
+                              check_bounds=False, cache_format=None, out_scale=None,
+                              layer=None) -> tuple:
     """:func:`dequantize_pages` of a combined ``kv_cache``: returns ``(kv_out, table_out)``;
     ``outs``: preallocated ``(kv_out, table_out)`` or None."""
     return _dequantize("dequantize_combined", (kv_cache, block_table, key_scale, value_scale,
-                                               key_scale_cache, value_scale_cache, out_scale),
+                                               key_scale_cache, value_scale_cache, out_scale,
+                                               layer),
                        None if outs is None else tuple(outs), dtype, layout, fp8_format,
                        null_page, head_dim, exact, launch, check_bounds, cache_format)
 

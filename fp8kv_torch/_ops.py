@@ -3,7 +3,8 @@
 One op per public function (``fp8kv::write_kv``, ``fp8kv::write_kv_combined``,
 ``fp8kv::dequantize_pages``, ``fp8kv::dequantize_pages_combined``, ``fp8kv::rope_write_kv``,
 ``fp8kv::rope_write_kv_combined``): a combined cache is its own op with its own argument, never a
-missing one.
+missing one. With ``layer=`` the cache arguments are the stacked ``[num_layers, ...]`` tensors,
+declared mutated as a whole.
 """
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def split_scale(scale) -> tuple:
     return (scale, None) if isinstance(scale, Tensor) else (None, scale)
 
 
+def split_layer(layer) -> tuple:
+    """Custom ops take no ``int | Tensor``: ``layer`` as ``(int or None, tensor or None)``."""
+    return (None, layer) if isinstance(layer, Tensor) else (layer, None)
+
+
+def _layer(layer_value, layer_tensor):
+    return layer_tensor if layer_tensor is not None else layer_value
+
+
 def _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
             value_scale_cache, key_scale_inline, value_scale_inline) -> dict:
     """The launcher's scale arguments from an op's split ones (:func:`split_scales`)."""
@@ -52,14 +62,15 @@ def _write_kv(launch: bool):
                  layout: str, fp8_format: Optional[str], key_scale_cache: Optional[Tensor],
                  value_scale_cache: Optional[Tensor], key_scale_inline: bool,
                  value_scale_inline: bool, scale_rounding: str,
-                 cache_format: Optional[str]) -> None:
+                 cache_format: Optional[str], layer: Optional[int],
+                 layer_tensor: Optional[Tensor]) -> None:
         s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
                     value_scale_cache, key_scale_inline, value_scale_inline)
         _launch.write_kv(key, value, key_cache, value_cache, slots, s["key_scale"],
                          s["value_scale"], layout, fp8_format, launch=launch,
                          key_scale_cache=s["key_scale_cache"],
                          value_scale_cache=s["value_scale_cache"], scale_rounding=scale_rounding,
-                         cache_format=cache_format)
+                         cache_format=cache_format, layer=_layer(layer, layer_tensor))
     return write_kv
 
 
@@ -70,14 +81,16 @@ def _write_kv_combined(launch: bool):
                           layout: str, fp8_format: Optional[str],
                           key_scale_cache: Optional[Tensor], value_scale_cache: Optional[Tensor],
                           key_scale_inline: bool, value_scale_inline: bool,
-                          scale_rounding: str, cache_format: Optional[str]) -> None:
+                          scale_rounding: str, cache_format: Optional[str],
+                          layer: Optional[int], layer_tensor: Optional[Tensor]) -> None:
         s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
                     value_scale_cache, key_scale_inline, value_scale_inline)
         _launch.write_kv_combined(key, value, kv_cache, slots, s["key_scale"], s["value_scale"],
                                   layout, fp8_format, launch=launch,
                                   key_scale_cache=s["key_scale_cache"],
                                   value_scale_cache=s["value_scale_cache"],
-                                  scale_rounding=scale_rounding, cache_format=cache_format)
+                                  scale_rounding=scale_rounding, cache_format=cache_format,
+                                  layer=_layer(layer, layer_tensor))
     return write_kv_combined
 
 
@@ -91,7 +104,8 @@ def _dequantize_pages(launch: bool):
                          key_scale_cache: Optional[Tensor], value_scale_cache: Optional[Tensor],
                          key_scale_inline: bool, value_scale_inline: bool,
                          head_dim: Optional[int], cache_format: Optional[str],
-                         out_scale: Optional[Tensor], out_scale_value: Optional[float]) -> None:
+                         out_scale: Optional[Tensor], out_scale_value: Optional[float],
+                         layer: Optional[int], layer_tensor: Optional[Tensor]) -> None:
         s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
                     value_scale_cache, key_scale_inline, value_scale_inline)
         _launch.dequantize_pages(key_cache, value_cache, block_table, s["key_scale"],
@@ -100,7 +114,8 @@ def _dequantize_pages(launch: bool):
                                  key_scale_cache=s["key_scale_cache"],
                                  value_scale_cache=s["value_scale_cache"], head_dim=head_dim,
                                  cache_format=cache_format,
-                                 out_scale=out_scale if out_scale is not None else out_scale_value)
+                                 out_scale=out_scale if out_scale is not None else out_scale_value,
+                                 layer=_layer(layer, layer_tensor))
     return dequantize_pages
 
 
@@ -115,7 +130,8 @@ def _dequantize_pages_combined(launch: bool):
                                   value_scale_cache: Optional[Tensor], key_scale_inline: bool,
                                   value_scale_inline: bool, head_dim: Optional[int],
                                   cache_format: Optional[str], out_scale: Optional[Tensor],
-                                  out_scale_value: Optional[float]) -> None:
+                                  out_scale_value: Optional[float], layer: Optional[int],
+                                  layer_tensor: Optional[Tensor]) -> None:
         s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
                     value_scale_cache, key_scale_inline, value_scale_inline)
         _launch.dequantize_pages_combined(kv_cache, block_table, s["key_scale"],
@@ -125,7 +141,8 @@ def _dequantize_pages_combined(launch: bool):
                                           value_scale_cache=s["value_scale_cache"],
                                           head_dim=head_dim, cache_format=cache_format,
                                           out_scale=(out_scale if out_scale is not None
-                                                     else out_scale_value))
+                                                     else out_scale_value),
+                                          layer=_layer(layer, layer_tensor))
     return dequantize_pages_combined
 
 

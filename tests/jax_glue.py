@@ -1,6 +1,8 @@
-"""fp8kv_jax's GPU launch code on any machine, without torch: a stand-in for
-``jax_triton.triton_call`` that checks what jax-triton 0.3.1 requires of a call and runs the kernel
-under Triton's CPU interpreter on host NumPy arrays.
+"""fp8kv_jax's GPU launch code on any machine, without torch: stand-ins for
+``jax_triton.triton_call`` (checking what jax-triton 0.3.1 requires of a call) and for the binding
+of XLA's Triton call (``fp8kv_jax._xla_triton._bind``: the same launch, its scalars and unused
+pointers compiled in as constants), each running the kernel under Triton's CPU interpreter on
+host NumPy arrays.
 
 Triton's interpreter takes as a tensor anything with ``data_ptr()``: it copies the argument's
 storage to the host (``untyped_storage().cpu()``, ``new_empty(...).set_(...)``), runs the kernel
@@ -84,11 +86,48 @@ def interpreted_triton_call(*args, kernel, out_shape, grid, num_warps, enable_fp
     return jax.pure_callback(run, tuple(out_shape), *arrays)
 
 
+def interpreted_xla_call(call, ir_bytes: bytes, arrays: dict, new) -> list:
+    """``fp8kv_jax._xla_triton._bind`` under the interpreter: the :class:`KernelCall`'s pointers
+    (operands, then results) and constants go to the kernel by name, as XLA would pass them to
+    the kernel's IR. ``ir_bytes`` was made and parsed by jaxlib, as on the GPU."""
+    from fp8kv_jax import _xla_triton
+
+    assert ir_bytes[:4] == b"ML\xefR"   # MLIR bytecode
+    out_shapes = _xla_triton._out_shapes(call, arrays, new)
+    constants = dict(call.constants)
+    assert not any(isinstance(v, float) and v != 1.0 for v in constants.values())
+
+    def run(*host):
+        inputs = [np.array(a, order="C", copy=True) for a in host]
+        aliased = {o: i for i, o in call.aliases}
+        outs = [inputs[aliased[o]].copy() if o in aliased else np.zeros(s.shape, s.dtype)
+                for o, s in enumerate(out_shapes)]
+        pointers = {p: HostArray(a) for (p, _), a in zip(call.inputs + call.outputs,
+                                                         inputs + outs)}
+        ops.interpreted(call.kernel)[call.grid](**pointers, **{**constants, "EXACT": True},
+                                               num_warps=call.num_warps)
+        return tuple(outs)
+
+    return list(jax.pure_callback(run, out_shapes, *(arrays[s] for _, s in call.inputs)))
+
+
 def use_interpreted_gpu_path(monkeypatch) -> None:
-    """fp8kv_jax takes its GPU path, with jax-triton replaced by the interpreter stand-in."""
+    """fp8kv_jax takes its GPU path through jax-triton, replaced by the interpreter stand-in."""
     import fp8kv_jax._args
     import fp8kv_jax._triton
 
+    monkeypatch.setenv("FP8KV_JAX_XLA_TRITON", "0")
     monkeypatch.setattr(fp8kv_jax._args, "use_triton", lambda arrays: True)
     monkeypatch.setattr(fp8kv_jax._triton, "jax_triton",
                         lambda: types.SimpleNamespace(triton_call=interpreted_triton_call))
+
+
+def use_interpreted_xla_path(monkeypatch) -> None:
+    """fp8kv_jax takes its GPU path through XLA's Triton call, whose binding is replaced by the
+    interpreter stand-in (the kernel's IR is still made and parsed by jaxlib)."""
+    import fp8kv_jax._args
+    import fp8kv_jax._xla_triton
+
+    monkeypatch.setenv("FP8KV_JAX_XLA_TRITON", "1")
+    monkeypatch.setattr(fp8kv_jax._args, "use_triton", lambda arrays: True)
+    monkeypatch.setattr(fp8kv_jax._xla_triton, "_bind", interpreted_xla_call)

@@ -67,7 +67,7 @@ def test_registry_entries():
     assert all(e.needs for e in ENTRIES if e.kind == "jax-rows")
     assert list(only_names()) == ["write", "variants", "small", "rope", "nvfp4", "dequant",
                                   "dynamic", "eager", "sweep",
-                                  "accuracy", "jax"]
+                                  "accuracy", "jax", "jax_layers"]
     assert [e.name for e in select({"write"}, cuda=False)] == ["write", "variants"]
     assert [e.name for e in select({"dequant"}, cuda=False)] == ["dequant", "jax dequant rows"]
     assert "sweep" not in [e.name for e in select(None, cuda=False)]

@@ -18,10 +18,10 @@ from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
 from fp8kv.validate import check_dequantize, check_write, dequantized_shape
 
 WRITE_ARRAYS = ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr", "slot_ptr",
-                "key_scale_ptr", "value_scale_ptr", "key_cache_out_ptr", "value_cache_out_ptr",
-                "key_scale_out_ptr", "value_scale_out_ptr")
+                "key_scale_ptr", "value_scale_ptr", "layer_ptr", "key_cache_out_ptr",
+                "value_cache_out_ptr", "key_scale_out_ptr", "value_scale_out_ptr")
 DEQUANT_ARRAYS = ("key_cache_ptr", "value_cache_ptr", "table_ptr", "key_scale_ptr",
-                  "value_scale_ptr", "key_out_ptr", "value_out_ptr", "new_table_ptr")
+                  "value_scale_ptr", "layer_ptr", "key_out_ptr", "value_out_ptr", "new_table_ptr")
 
 
 def _write_args(case, combined=False):
@@ -86,7 +86,7 @@ def test_bind_orders_by_the_kernel_signature():
     assert isinstance(call, BoundCall)
     sig = signature(ops._write_kv_kernel)
     assert call.inputs == sig.inputs and call.outputs == sig.outputs
-    assert call.inputs[-1] == "value_scale_ptr" and call.outputs == (
+    assert call.inputs[-1] == "layer_ptr" and call.outputs == (
         "key_cache_out_ptr", "value_cache_out_ptr", "key_scale_out_ptr", "value_scale_out_ptr")
     assert call.scalars == tuple(plan.scalars[n] for n in sig.scalars)
     assert list(call.constexprs) == list(sig.constexprs)

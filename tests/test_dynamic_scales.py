@@ -272,7 +272,7 @@ def test_opcheck_write_with_scale_caches():
     x = {k: _t(v, "cpu") for k, v in inputs(DynCase()).items()}
     args = (x["key"], x["value"], x["key_cache"], x["value_cache"], x["slots"], None, None, None,
             None, "NHD", "e4m3", x["key_scale_cache"], x["value_scale_cache"], False, False,
-            "pow2", None)
+            "pow2", None, None, None)
     torch.library.opcheck(write_kv_op, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -282,7 +282,7 @@ def test_opcheck_dequantize_with_scale_caches():
     table = torch.tensor([[0, 2]], dtype=torch.int32)
     outs = [torch.empty(2, 4, 2, 16, dtype=torch.bfloat16) for _ in range(2)]
     args = (cache, cache, table, None, None, None, None, "NHD", None, None, outs[0], outs[1],
-            torch.empty(1, 2, dtype=torch.int32), None, None, True, True, 16, None, None, None)
+            torch.empty(1, 2, dtype=torch.int32), None, None, True, True, 16, None, None, None, None, None)
     torch.library.opcheck(dequantize_pages_op, args, test_utils=("test_schema", "test_faketensor"))
 
 

@@ -297,7 +297,7 @@ def test_opcheck_nvfp4_ops():
     torch.library.opcheck(write_kv_op, (a["key"], a["value"], a["key_cache"], a["value_cache"],
                                         a["slots"], None, None, 0.5, None, "NHD", None,
                                         a["key_scale_cache"], a["value_scale_cache"], False,
-                                        False, "exact", "nvfp4"),
+                                        False, "exact", "nvfp4", None, None),
                           test_utils=("test_schema", "test_faketensor"))
     # bf16 pages: opcheck's own bookkeeping does arithmetic that fp8 tensors lack on CPU (the
     # FP8 output goes through torch.compile below).
@@ -306,7 +306,8 @@ def test_opcheck_nvfp4_ops():
                           (a["key_cache"], a["value_cache"], torch.tensor([[0, 2]]).int(), None,
                            None, 0.5, None, "NHD", None, None, outs[0], outs[1],
                            torch.empty(1, 2, dtype=torch.int32), a["key_scale_cache"],
-                           a["value_scale_cache"], False, False, None, "nvfp4", None, None),
+                           a["value_scale_cache"], False, False, None, "nvfp4", None, None,
+                           None, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -465,3 +466,19 @@ def test_gpu_cuda_graph_capture():
                                      x["value_scale"], key_scale_cache=want[2],
                                      value_scale_cache=want[3], cache_format="nvfp4")
     assert_same(pages[:2], [rk, rv])
+
+
+def test_stacked_caches_are_fp8_only():
+    """layer= (stacked caches) is refused for an nvfp4 cache, naming the argument, nothing
+    written: the nvfp4 kernels address one layer's caches (pass cache[layer])."""
+    a = _good()
+    stacked = {n: a[n][None].repeat(2, *([1] * a[n].ndim)) for n in
+               ("key_cache", "value_cache", "key_scale_cache", "value_scale_cache")}
+    before = {n: t.clone() for n, t in stacked.items()}
+    with pytest.raises(ValueError, match=r"layer: expected None with cache_format='nvfp4'"):
+        fp8kv_torch.write_kv(a["key"], a["value"], stacked["key_cache"], stacked["value_cache"],
+                             a["slots"], 0.5, key_scale_cache=stacked["key_scale_cache"],
+                             value_scale_cache=stacked["value_scale_cache"],
+                             cache_format="nvfp4", layer=1)
+    for n, t in stacked.items():
+        assert torch.equal(t, before[n])

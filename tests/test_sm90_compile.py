@@ -66,14 +66,15 @@ def write_arrays(args, x, cache, slots, scale):
     """Each array parameter's dtype, through the core's operand map (what the frontends do)."""
     return write_operands(args).arrays(dict(
         key=x, value=x, key_cache=cache, value_cache=cache, kv_cache=cache, slots=slots,
-        key_scale=scale, value_scale=scale, key_scale_cache=scale, value_scale_cache=scale))
+        key_scale=scale, value_scale=scale, key_scale_cache=scale, value_scale_cache=scale,
+        layer="int32"))
 
 
 def dequant_arrays(args, cache, table, scale, out):
     return dequantize_operands(args).arrays(dict(
         key_cache=cache, value_cache=cache, kv_cache=cache, block_table=table, key_scale=scale,
         value_scale=scale, key_scale_cache=scale, value_scale_cache=scale, key_out=out,
-        value_out=out, kv_out=out, table_out="int32"))
+        value_out=out, kv_out=out, table_out="int32", layer="int32"))
 
 
 def scale_arg(kind, heads):
@@ -492,3 +493,51 @@ def test_nvfp4_dequantize_kernel_compiles_for_sm90(variant, exact, combined):
     assert "ftz" not in " ".join(found)
     if variant[5] == "float8_e4m3fn" and not exact:
         assert any(op.startswith("cvt.rn.satfinite.e4m3x2") for op in found)
+
+
+# Stacked caches (layer=): a host layer (a scalar) or a device one (loaded); each kernel offsets
+# its stacked base pointers by layer * a constexpr stride, which keeps the 16-byte accesses.
+# "host-1": jax-triton (and Triton without do_not_specialize) makes an int 1 a constexpr.
+STACKED = [("host", "static"), ("host-1", "static"), ("device", "static"), ("device", "dynamic")]
+
+
+def _stacked_args(where, scales, layers=4):
+    x = ArrayInfo.contiguous((4096, 8, 128), "bfloat16", "cuda:0")
+    cache = ArrayInfo.contiguous((layers, 300, 16, 8, 128), "float8_e4m3fn", "cuda:0")
+    slots = ArrayInfo.contiguous((4096,), "int32", "cuda:0")
+    layer = {"host": 2, "host-1": 1}.get(where) or ArrayInfo.contiguous((), "int32", "cuda:0")
+    if scales == "static":
+        scale = ArrayInfo.contiguous((), "float32", "cuda:0")
+        kw = dict(key_scale=scale, value_scale=scale)
+    else:
+        side = ArrayInfo.contiguous((layers, 300, 16, 8), "float32", "cuda:0")
+        kw = dict(key_scale_cache=side, value_scale_cache=side)
+    write = check_write(x, x, cache, cache, slots, layout="NHD", fp8_format=None, layer=layer, **kw)
+    table = ArrayInfo.contiguous((16, 512), "int32", "cuda:0")
+    dequant = check_dequantize(cache, cache, table, dtype="bfloat16", layout="NHD",
+                               fp8_format=None, null_page=None, layer=layer, **kw)
+    return write, dequant
+
+
+@pytest.mark.parametrize("int_divisibility", [True, False], ids=["torch-style", "jax-triton-style"])
+@pytest.mark.parametrize("where, scales", STACKED, ids=lambda v: v)
+def test_stacked_kernels_compile_for_sm90_with_16_byte_accesses(where, scales, int_divisibility):
+    args, dargs = _stacked_args(where, scales)
+    plan = plan_write(args, CUDA)
+    assert plan.constexprs["NUM_LAYERS"] == 4
+    assert plan.scalars["layer"] == {"host": 2, "host-1": 1}.get(where, 0)
+    found = ptx_ops(compile_for_hopper(
+        ops._write_kv_kernel, write_arrays(args, "bfloat16", "float8_e4m3fn", "int32", "float32"),
+        plan, int_divisibility))
+    assert "ftz" not in " ".join(found)
+    assert {"ld.global.v4.b32"} <= found or scales == "dynamic", found
+    assert any(op.startswith("st.global.v") for op in found), found
+    out = ArrayInfo.contiguous(dequantized_shape(dargs, False), "bfloat16", "cuda:0")
+    dplan = plan_dequantize(dargs, out, out, CUDA)
+    found = ptx_ops(compile_for_hopper(
+        ops._dequantize_pages_kernel,
+        dequant_arrays(dargs, "float8_e4m3fn", "int32", "float32", "bfloat16"), dplan,
+        int_divisibility))
+    assert "ftz" not in " ".join(found)
+    if scales == "static":
+        assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, found

@@ -32,7 +32,7 @@ def test_opcheck_write_kv(device):
                           (t["key"], t["value"], t["key_cache"].view(torch.uint8),
                            t["value_cache"].view(torch.uint8), t["slots"],
                            t["key_scale"], None, None, 0.5, "NHD", None, None, None, False, False,
-                           "exact", None),
+                           "exact", None, None, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -44,7 +44,7 @@ def test_opcheck_dequantize_pages(device):
             torch.empty(2, 2, dtype=torch.int32, device=device))
     torch.library.opcheck(torch.ops.fp8kv.dequantize_pages.default,
                           (cache, cache, table, None, None, 0.5, None, "NHD", "e5m2", 0, *outs,
-                           None, None, False, False, None, None, None, None),
+                           None, None, False, False, None, None, None, None, None, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -13,7 +13,8 @@ as in ``write_kv``; strides are constexprs (``STRIDE_<array>_<dim>``). A combine
 ``[num_pages, 2, ...]`` cache is passed as both cache operands with V ``VALUE_CACHE_OFFSET``
 elements in; a combined output holds V ``VALUE_OUT_OFFSET`` elements after K and, with
 ``SHARED_OUT``, is written through the K output pointer alone (jax-triton gives each buffer one
-output).
+output). Stacked caches (``LAYER_KIND``) move the cache and scale pointers to the call's layer
+first (:mod:`fp8kv.ops.layers`); an out-of-range layer reads nothing (zero pages).
 
 Static scales take flat chunks (:func:`_dequantize_flat`). Dynamic scales (``K_DYNAMIC`` /
 ``V_DYNAMIC`` TOKEN or TOKEN_HEAD, plan constexpr ``ROWWISE``) take ``[ROWS, BLOCK_D]`` tiles of
@@ -25,6 +26,7 @@ whole head rows (:func:`_dequantize_rows`): each row's scale is read once, from 
 import triton.language as tl
 
 from ._dual import jit
+from .layers import LAYER_NONE, select_layer
 from .codec import OUT_FLOAT32, SCALE_HEAD, SCALE_NONE, decode, fp32_to_output_bits, load_scale
 
 
@@ -47,11 +49,11 @@ def _page_offsets(j, STRIDE_SLOT: tl.constexpr, STRIDE_HEAD: tl.constexpr,
     return off
 
 
-@jit(do_not_specialize=["pages_per_seq"])
+@jit(do_not_specialize=["pages_per_seq", "layer"])
 def _dequantize_pages_kernel(
-    key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr,
+    key_cache_ptr, value_cache_ptr, table_ptr, key_scale_ptr, value_scale_ptr, layer_ptr,
     pages_per_seq, stride_table_seq, stride_table_page, num_pages, null_page,
-    key_scale_value, value_scale_value,
+    key_scale_value, value_scale_value, layer,
     key_out_ptr, value_out_ptr, new_table_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     STRIDE_KC_PAGE: tl.constexpr, STRIDE_KC_SLOT: tl.constexpr, STRIDE_KC_HEAD: tl.constexpr,
@@ -67,7 +69,19 @@ def _dequantize_pages_kernel(
     HND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, ROWWISE: tl.constexpr,
     OUT_KIND: tl.constexpr, HAS_NULL_PAGE: tl.constexpr, IN_PACKED: tl.constexpr,
     OUT_PACKED: tl.constexpr, SHARED_OUT: tl.constexpr, EXACT: tl.constexpr,
+    LAYER_KIND: tl.constexpr, NUM_LAYERS: tl.constexpr,
+    STRIDE_KC_LAYER: tl.constexpr, STRIDE_VC_LAYER: tl.constexpr,
+    STRIDE_KSC_LAYER: tl.constexpr, STRIDE_VSC_LAYER: tl.constexpr,
 ):
+    if LAYER_KIND != LAYER_NONE:   # stacked caches: this call's layer (fp8kv.ops.layers)
+        layer, num_pages = select_layer(layer_ptr, layer, num_pages, KIND=LAYER_KIND,
+                                        NUM_LAYERS=NUM_LAYERS)
+        key_cache_ptr += layer * STRIDE_KC_LAYER
+        value_cache_ptr += layer * STRIDE_VC_LAYER
+        if STRIDE_KSC_LAYER != 0:
+            key_scale_ptr += layer * STRIDE_KSC_LAYER
+        if STRIDE_VSC_LAYER != 0:
+            value_scale_ptr += layer * STRIDE_VSC_LAYER
     if ROWWISE:  # [ROWS, BLOCK_D] tiles of whole head rows
         ROWS: tl.constexpr = BLOCK // BLOCK_D
         CHUNKS: tl.constexpr = (PAGE_SIZE * NUM_HEADS + ROWS - 1) // ROWS

@@ -14,7 +14,8 @@ scalar; every stride is a constexpr (``STRIDE_<array>_<dim>``). A cache is an in
 (``*_cache_ptr``, for JAX's aliasing) and an output (``*_cache_out_ptr``, written). A combined
 ``[num_pages, 2, ...]`` cache is passed as both caches, V ``VALUE_CACHE_OFFSET`` elements in; with
 ``SHARED_OUT`` V is written through the K output pointer, for frontends that give each buffer one
-output (jax-triton).
+output (jax-triton). Stacked caches (``LAYER_KIND``) move the output pointers to the call's layer
+first (:mod:`fp8kv.ops.layers`).
 
 A side whose ``*_DYNAMIC`` kind is not NONE (dynamic scales, per token or per token-head) takes
 the other path: its ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tile of whole rows is loaded
@@ -28,6 +29,7 @@ compiled out of the static-scale loop.
 import triton.language as tl
 
 from ._dual import jit
+from .layers import LAYER_NONE, select_layer
 from .codec import (SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, SCALE_TOKEN_HEAD,
                     SCALE_VALUE, divide_by_group_scale, divide_pair, dynamic_scale, encode,
                     load_as_fp32, load_raw, load_scale, max_combine, raw_to_fp32, scalar_scale)
@@ -103,10 +105,11 @@ def _write_dynamic(raw, dst, row, scale_dst, scale_row, keep, KIND: tl.constexpr
                      mask=th_mask, eviction_policy="evict_last")
 
 
-@jit(do_not_specialize=["num_tokens"])
+@jit(do_not_specialize=["num_tokens", "layer"])
 def _write_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, key_scale_ptr, value_scale_ptr,
-    num_tokens, num_slots, key_scale_value, value_scale_value,
+    layer_ptr,
+    num_tokens, num_slots, key_scale_value, value_scale_value, layer,
     key_cache_out_ptr, value_cache_out_ptr, key_scale_out_ptr, value_scale_out_ptr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     STRIDE_KEY_TOKEN: tl.constexpr, STRIDE_KEY_HEAD: tl.constexpr,
@@ -122,8 +125,20 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KEY_PACKED: tl.constexpr,
     VALUE_PACKED: tl.constexpr, CACHE_PACKED: tl.constexpr, RECIPROCAL_DIV: tl.constexpr,
     DYNAMIC_LOADS_FIRST: tl.constexpr, SHARED_OUT: tl.constexpr, OFFSETS_64: tl.constexpr,
-    EXACT: tl.constexpr,
+    EXACT: tl.constexpr, LAYER_KIND: tl.constexpr, NUM_LAYERS: tl.constexpr,
+    STRIDE_KC_LAYER: tl.constexpr, STRIDE_VC_LAYER: tl.constexpr,
+    STRIDE_KSC_LAYER: tl.constexpr, STRIDE_VSC_LAYER: tl.constexpr,
 ):
+    if LAYER_KIND != LAYER_NONE:   # stacked caches: this call's layer (fp8kv.ops.layers)
+        layer, num_slots = select_layer(layer_ptr, layer, num_slots, KIND=LAYER_KIND,
+                                        NUM_LAYERS=NUM_LAYERS)
+        key_cache_out_ptr += layer * STRIDE_KC_LAYER
+        if not SHARED_OUT:
+            value_cache_out_ptr += layer * STRIDE_VC_LAYER
+        if STRIDE_KSC_LAYER != 0:
+            key_scale_out_ptr += layer * STRIDE_KSC_LAYER
+        if STRIDE_VSC_LAYER != 0:
+            value_scale_out_ptr += layer * STRIDE_VSC_LAYER
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = tok < num_tokens
     slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
