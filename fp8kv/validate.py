@@ -433,7 +433,9 @@ class DequantArgs:
     value_scale: SideScale
     combined: bool = False
     inline_pad: int = 0
-    out_scale: SideScale = SideScale()   # of an FP8 output (nvfp4 caches)
+    # Of an FP8 output (nvfp4 caches). None stands for no scale: a dataclass instance as a default
+    # is a constant torch 2.11's Dynamo cannot trace (the torch.compile path validates).
+    out_scale: SideScale | None = None
     layers: Layers | None = None         # stacked caches (layer=), as in WriteArgs
     @property
     def head_dim(self) -> int:

@@ -266,6 +266,7 @@ def test_dlpack_cache_shared_with_torch_across_donated_writes(platform):
 
 _ORDER_SCRIPT = """
 import os, sys
+os.environ["FP8KV_JAX_XLA_TRITON"] = "0"   # the jax-triton path: its import is what is tested
 import numpy as np
 from tests.cases import WriteCase, as_uint, write_inputs
 from fp8kv import reference

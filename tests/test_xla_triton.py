@@ -350,10 +350,14 @@ def _gpu_write(case, path: str, monkeypatch):
     monkeypatch.setenv(_xla_triton.ENV, "1" if path == "xla" else "0")
     inputs = write_inputs(case)
     device = jax.devices("gpu")[0]
+    # Host float scales stay Python floats (compiled in): as jit arguments they would be traced
+    # (float64 under x64), which the API refuses for a scale.
+    host = {k: v for k, v in inputs.items() if isinstance(v, float)}
     with jax.enable_x64(case.slots == "int64"):
-        step = jax.jit(lambda a: fp8kv_jax.write_kv(**a, layout=case.api_layout,
+        step = jax.jit(lambda a: fp8kv_jax.write_kv(**a, **host, layout=case.api_layout,
                                                    fp8_format=case.fp8_format))
-        arrays = {k: v for k, v in to_jax(inputs, device).items() if v is not None}
+        arrays = {k: v for k, v in to_jax(inputs, device).items()
+                  if v is not None and k not in host}
         hlo = step.lower(arrays).compile().as_text()
         out = step(arrays)
     return inputs, hlo, out

@@ -76,7 +76,9 @@ def _block_amax(x0, x1, EXACT: tl.constexpr):
     if EXACT:
         # The interpreter's maximum propagates NaN; the GPU's max.f32 drops it (max_combine).
         a0, a1 = tl.where(x0 != x0, 0.0, a0), tl.where(x1 != x1, 0.0, a1)
-    return tl.reduce(tl.maximum(a0, a1), 3, max_combine)
+    amax = tl.reduce(tl.maximum(a0, a1), 3, max_combine)
+    # max.f32 of two NaNs is NaN: a block of NaNs alone reduces to NaN, whose amax is 0.
+    return tl.where(amax != amax, 0.0, amax)
 
 
 @jit
