@@ -24,19 +24,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
-import gzip
-import json
 import os
 import re
 import statistics
-import tempfile
 from unittest import mock
 
 import numpy as np
 
 from .common import MiB, Config
 from .dequant import dequant_bytes
+from .jax_profile import trace_events
 from .jax_tables import _interleaved_us, write_bytes, xla_write
 from .results import Table, tokens_case
 from .write_torch import HEAD_DIM, HEADS, PAGE_SIZE, SCALE
@@ -337,7 +334,7 @@ def _stacked_goals(table: Table, layers: int) -> None:
                 if per_layer:
                     parts.append(f"{us / per_layer:.2f}x per-layer (goal <= 1.1)")
                 if xla:
-                    parts.append(f"{xla / us:.1f}x faster than XLA's{pattern}")
+                    parts.append(f"speed-up over XLA's{pattern} {xla / us:.2f}x (< 1: slower)")
                 if parts:
                     table.note(f"{case}, {provider}, {mode}: " + ", ".join(parts))
 
@@ -425,8 +422,8 @@ def table_dequant(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool) -> 
         for mode, _ in MODES:
             ours, xla = by.get((f"{provider} scan", mode)), by.get(("xla-gather scan", mode))
             if ours and xla:
-                table.note(f"{provider} scan, {mode}: {xla / ours:.1f}x faster than XLA's "
-                           "gather in the same scan")
+                table.note(f"{provider} scan, {mode}: speed-up over XLA's gather in the same scan "
+                           f"{xla / ours:.2f}x (< 1: slower)")
     return table
 
 
@@ -436,22 +433,6 @@ def table_dequant(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool) -> 
 HOST_MARKS = ("thunk", "triton", "custom", "command", "memcpy", "execute")
 
 
-def _trace_events(jax, steps: dict, calls: int) -> list:
-    for entry in steps.values():
-        for _ in range(3):
-            entry[1] = jax.block_until_ready(entry[0](entry[1]))
-    with tempfile.TemporaryDirectory() as log_dir:
-        jax.profiler.start_trace(log_dir)
-        try:
-            for name, entry in steps.items():
-                for i in range(calls):
-                    with jax.profiler.TraceAnnotation(f"fp8kv-bench:{name}:{i}"):
-                        entry[1] = jax.block_until_ready(entry[0](entry[1]))
-        finally:
-            jax.profiler.stop_trace()
-        (path,) = glob.glob(f"{log_dir}/plugins/profile/*/*.trace.json.gz")
-        with gzip.open(path) as f:
-            return json.load(f)["traceEvents"]
 
 
 def step_profile(events: list, name: str) -> dict:
@@ -521,7 +502,7 @@ def table_profile(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: bool) -> 
             except Exception as e:
                 table.note(f"{provider} at L={layers} failed: {type(e).__name__}: {e}")
         try:
-            events = _trace_events(jax, steps, size.profile_calls)
+            events = trace_events(jax, steps, size.profile_calls)
         except Exception as e:
             table.note(f"trace at L={layers} failed: {type(e).__name__}: {e}")
             continue

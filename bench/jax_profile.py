@@ -29,9 +29,9 @@ PHASES = ("dispatch", "device", "return", "call")
 GiB = 1 << 30
 
 
-def _trace(jax, steps: dict, calls: int) -> dict:
-    """``jax.profiler`` trace of ``calls`` synced calls of each step; provider -> phase ->
-    median us."""
+def trace_events(jax, steps: dict, calls: int) -> list:
+    """The ``jax.profiler`` trace events of ``calls`` synced calls of each step (``steps``: name
+    -> [jitted step, its carried state]), each call annotated ``fp8kv-bench:<name>:<i>``."""
     for entry in steps.values():
         for _ in range(3):
             entry[1] = jax.block_until_ready(entry[0](entry[1]))
@@ -46,8 +46,13 @@ def _trace(jax, steps: dict, calls: int) -> dict:
             jax.profiler.stop_trace()
         (path,) = glob.glob(f"{log_dir}/plugins/profile/*/*.trace.json.gz")
         with gzip.open(path) as f:
-            events = json.load(f)["traceEvents"]
-    return _phases(events, list(steps))
+            return json.load(f)["traceEvents"]
+
+
+def _trace(jax, steps: dict, calls: int) -> dict:
+    """``jax.profiler`` trace of ``calls`` synced calls of each step; provider -> phase ->
+    median us."""
+    return _phases(trace_events(jax, steps, calls), list(steps))
 
 
 def _phases(events: list, names: list) -> dict:

@@ -24,13 +24,13 @@ GRAPH_TOKENS = (1, 16, 64, 256)
 # Plan variants, measured in the same run: label -> entries of NVFP4_WRITE_SIZES[CUDA].
 WRITE_VARIANTS = {
     "tile 4096, 4 warps": dict(tile=4096, num_warps=4),
-    "tile 1024, 1 warp": dict(tile=1024, num_warps=1),
-    "tile 2048, 4 warps": dict(num_warps=4),
+    "tile 2048, 2 warps": dict(tile=2048, num_warps=2),
+    "tile 2048, 4 warps": dict(tile=2048, num_warps=4),
     "V loaded after K's stores": dict(loads_first=False),
 }
 SMALL_VARIANTS = {
+    "small: 1 warp": dict(small_batch_warps=1),
     "small: 2 warps": dict(small_batch_warps=2),
-    "small: 4 warps": dict(small_batch_warps=4),
     "small: tile 2048, 2 warps": dict(small_tile=2048, small_batch_warps=2),
     "small: V loaded after K's stores": dict(loads_first=False),
 }

@@ -49,7 +49,9 @@ DEQUANT_SIZES = {
 # write: ~24 instructions per element on the reciprocal path; first guesses, to be measured
 # (bench/nvfp4.py has the variants).
 NVFP4_WRITE_SIZES = {
-    CUDA: dict(tile=2048, num_warps=2, small_tile=1024, small_batch_warps=1,
+    # Measured on the H200 (bench/nvfp4.py variants): 1,024-element tiles with one warp beat
+    # 2,048 with two at 65,536 tokens (129 vs 136 us); four warps beat one at 1-256 tokens.
+    CUDA: dict(tile=1024, num_warps=1, small_tile=1024, small_batch_warps=4,
                small_batch_elems=1 << 18, loads_first=True),
     INTERPRET: dict(tile=1 << 16, num_warps=1, small_tile=1 << 16, small_batch_warps=1,
                     small_batch_elems=0, loads_first=True),

@@ -200,12 +200,7 @@ def dequantize_pages(arrays: dict, *, args) -> dict:
         return _dequantize_nvfp4(arrays, args)
     num_pages = args.key_cache.num_pages
     block_table = arrays["block_table"]
-    entries = block_table.reshape(-1)
-    keep = _in_range(entries, num_pages)
-    info = jnp.iinfo(entries.dtype)
-    if args.null_page is not None and info.min <= args.null_page <= info.max:
-        keep &= entries != args.null_page
-    index = jnp.where(keep, entries, num_pages)
+    keep, index = _pages_read(block_table, num_pages, args.null_page)
     layer = _layer_index(arrays, args.layers)
     if layer is not None:   # an out-of-range layer reads nothing: zero pages (not 0 * scale)
         keep &= layer < args.layers.num_layers
@@ -225,7 +220,7 @@ def dequantize_pages(arrays: dict, *, args) -> dict:
                                   scale.dynamic, args, layer)
         sides.append(_dequantize(c, s, args.fmt, args.out_dtype, keep))
     k, v = sides
-    new_table = jnp.arange(entries.size, dtype=jnp.int32).reshape(block_table.shape)
+    new_table = jnp.arange(block_table.size, dtype=jnp.int32).reshape(block_table.shape)
     if args.combined:
         return {"kv_out": jnp.stack([k, v], axis=1), "table_out": new_table}
     return {"key_out": k, "value_out": v, "table_out": new_table}
@@ -422,16 +417,22 @@ def _nvfp4_values(codes, blocks, g):
     return v.reshape(codes.shape[:-1] + (2 * codes.shape[-1],))
 
 
+def _pages_read(block_table, num_pages: int, null_page):
+    """Which block-table entries name a page (not padding, past the cache or ``null_page``), and
+    the page each reads: ``num_pages`` (one past the cache) for the others."""
+    entries = block_table.reshape(-1)
+    keep = _in_range(entries, num_pages)
+    info = jnp.iinfo(entries.dtype)
+    if null_page is not None and info.min <= null_page <= info.max:
+        keep &= entries != null_page
+    return keep, jnp.where(keep, entries, num_pages)
+
+
 def _dequantize_nvfp4(arrays: dict, args) -> dict:
     """:func:`dequantize_pages` of an nvfp4 cache (bf16/fp16/fp32 or an e4m3 workspace)."""
     num_pages = args.key_cache.num_pages
     block_table = arrays["block_table"]
-    entries = block_table.reshape(-1)
-    keep = _in_range(entries, num_pages)
-    info = jnp.iinfo(entries.dtype)
-    if args.null_page is not None and info.min <= args.null_page <= info.max:
-        keep &= entries != args.null_page
-    index = jnp.where(keep, entries, num_pages)
+    keep, index = _pages_read(block_table, num_pages, args.null_page)
     keep = keep.reshape((-1,) + (1,) * (args.cache_rank - 1))
     # The global scale broadcasts against [N, (S,) H, (S,) D/16, 16]: dims after the heads.
     trailing = 3 if args.layout == "HND" and args.cache_rank == 4 else 2
@@ -453,7 +454,7 @@ def _dequantize_nvfp4(arrays: dict, args) -> dict:
         else:
             sides.append(_round_output(v, args.out_dtype, keep))
     k, v = sides
-    new_table = jnp.arange(entries.size, dtype=jnp.int32).reshape(block_table.shape)
+    new_table = jnp.arange(block_table.size, dtype=jnp.int32).reshape(block_table.shape)
     if args.combined:
         return {"kv_out": jnp.stack([k, v], axis=1), "table_out": new_table}
     return {"key_out": k, "value_out": v, "table_out": new_table}

@@ -1,4 +1,4 @@
-"""Sharded caches under plain ``jax.jit``: a partitioning rule for every call (docs/SPEC.md 13).
+"""Sharded caches under plain ``jax.jit``: a partitioning rule for every call (docs/SPEC.md section 15).
 
 A custom call without a rule makes XLA gather its whole operands onto every device. Each call is
 therefore a ``jax.experimental.custom_partitioning`` function whose rule keeps the caches where
