@@ -1,4 +1,4 @@
-"""``python -m bench`` as a user meets it: ``--help`` at once, without torch or JAX; a progress
+"""``python -m bench`` as a user meets it: ``--help`` without importing torch, JAX, Triton or NumPy; a progress
 line per table and a total; a non-zero exit status when a table fails, with the summary still
 written; CSVs of a CPU run marked as not performance; no CSV for a table without rows, and the
 summary saying why."""
@@ -28,24 +28,23 @@ def _python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 def test_help_imports_neither_torch_nor_jax():
     got = _python("""
-        import json, runpy, sys, time
+        import json, runpy, sys
         sys.argv = ["python -m bench", "--help"]
-        start = time.perf_counter()
         try:
             runpy.run_module("bench", run_name="__main__", alter_sys=True)
         except SystemExit as e:
             status = e.code
-        seconds = time.perf_counter() - start
         heavy = [m for m in ("torch", "jax", "triton", "matplotlib", "numpy") if m in sys.modules]
-        print("RESULT " + json.dumps([status, heavy, seconds]))
+        print("RESULT " + json.dumps([status, heavy]))
     """, timeout=60)
     assert got.returncode == 0, got.stderr
     assert "usage: python -m bench" in got.stdout
     assert "--only names: write" in " ".join(got.stdout.split())
-    status, heavy, seconds = json.loads(got.stdout.split("RESULT ")[1])
+    status, heavy = json.loads(got.stdout.split("RESULT ")[1])
     assert status == 0
+    # What makes --help fast is importing nothing heavy; its time is not asserted (a loaded
+    # host would make that flaky).
     assert heavy == []      # no torch, jax, triton, matplotlib or numpy for --help
-    assert seconds < 1.0
 
 
 def test_unknown_only_name_is_a_usage_error():
