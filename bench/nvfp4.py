@@ -88,6 +88,25 @@ def _dequant_calls(device, cfg: Config, batch: int, pages_per_seq: int, dtype, o
     return calls, nbytes
 
 
+def _write_rows(table: Table, timer: Timer, mode: str, device, cfg: Config, tokens: int,
+                name: str, variants: dict) -> None:
+    """The rows of an nvfp4 write of ``tokens``: fp8kv, its plan ``variants`` and the e4m3 call
+    of the same size (the last two on a GPU only)."""
+    calls = _write_calls(device, cfg, tokens)
+    table.add(name, tokens, "fp8kv", mode, timer.time(mode, calls), write_bytes(tokens))
+    if timer.cuda:
+        for label, entries in variants.items():
+            with planned_with(plan.NVFP4_WRITE_SIZES, plan.CUDA, **entries):
+                table.add(name, tokens, f"fp8kv, {label}", mode, timer.time(mode, calls),
+                          write_bytes(tokens))
+        e4m3 = build_write_case(device, cfg, tokens)
+        table.add(name, tokens, "e4m3 (static scale)", mode,
+                  timer.time(mode, e4m3.fp8kv_calls()), e4m3.nbytes)
+        del e4m3
+    del calls
+    free_memory()
+
+
 def table_nvfp4(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
     large = cfg.dynamic_tokens          # 65,536 on a GPU
     batch, pages_per_seq = cfg.dynamic_dequant
@@ -102,37 +121,13 @@ def table_nvfp4(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
         plot="bars")
     mode = "graph" if timer.cuda else timer.modes[0]
 
-    calls = _write_calls(device, cfg, large)
-    name = f"write {tokens_case(large)}"
-    table.add(name, large, "fp8kv", mode, timer.time(mode, calls), write_bytes(large))
+    _write_rows(table, timer, mode, device, cfg, large, f"write {tokens_case(large)}",
+                WRITE_VARIANTS)
     if timer.cuda:
-        for label, entries in WRITE_VARIANTS.items():
-            with planned_with(plan.NVFP4_WRITE_SIZES, plan.CUDA, **entries):
-                table.add(name, large, f"fp8kv, {label}", mode, timer.time(mode, calls),
-                          write_bytes(large))
-        e4m3 = build_write_case(device, cfg, large)
-        table.add(name, large, "e4m3 (static scale)", mode,
-                  timer.time(mode, e4m3.fp8kv_calls()), e4m3.nbytes)
-        table.add_roofline(name, large, write_bytes(large), copy_gbps)
-        del e4m3
-    del calls
-    free_memory()
-
+        table.add_roofline(f"write {tokens_case(large)}", large, write_bytes(large), copy_gbps)
     for tokens in GRAPH_TOKENS if timer.cuda else GRAPH_TOKENS[:2]:
-        calls = _write_calls(device, cfg, tokens)
-        name = f"graph {tokens_case(tokens)}"
-        table.add(name, tokens, "fp8kv", mode, timer.time(mode, calls), write_bytes(tokens))
-        if timer.cuda:
-            for label, entries in SMALL_VARIANTS.items():
-                with planned_with(plan.NVFP4_WRITE_SIZES, plan.CUDA, **entries):
-                    table.add(name, tokens, f"fp8kv, {label}", mode, timer.time(mode, calls),
-                              write_bytes(tokens))
-            e4m3 = build_write_case(device, cfg, tokens)
-            table.add(name, tokens, "e4m3 (static scale)", mode,
-                      timer.time(mode, e4m3.fp8kv_calls()), e4m3.nbytes)
-            del e4m3
-        del calls
-        free_memory()
+        _write_rows(table, timer, mode, device, cfg, tokens, f"graph {tokens_case(tokens)}",
+                    SMALL_VARIANTS)
 
     pages = batch * pages_per_seq
     for out, dtype, out_scale in (("bf16", torch.bfloat16, None),
