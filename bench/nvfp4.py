@@ -13,6 +13,7 @@ import torch
 
 import fp8kv_torch
 from fp8kv import plan
+from fp8kv.modes import Division
 
 from .common import Config, Timer, free_memory, num_sets
 from .results import Table, tokens_case
@@ -29,12 +30,11 @@ WRITE_VARIANTS = {
     "V loaded after K's stores": dict(loads_first=False),
 }
 SMALL_VARIANTS = {
-    "small: 1 warp": dict(small_batch_warps=1),
-    "small: 2 warps": dict(small_batch_warps=2),
-    "small: tile 2048, 2 warps": dict(small_tile=2048, small_batch_warps=2),
-    "small: V loaded after K's stores": dict(loads_first=False),
+    "small: whole groups per thread": dict(small_blockwise=False),
+    "small: blockwise, 8 warps": dict(small_batch_warps=8),
 }
 DEQUANT_VARIANTS = {
+    "FMA division": dict(reciprocal_div=Division.FMA),
     "2048 elements per program": dict(block=2048),
     "8192 elements per program": dict(block=8192),
     "8 warps": dict(num_warps=8),

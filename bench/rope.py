@@ -29,6 +29,7 @@ import triton.language as tl
 
 import fp8kv_torch
 from fp8kv import plan, plan_rope
+from fp8kv.modes import Division
 from fp8kv.ops import interpreted
 
 from .common import Config, Timer, free_memory
@@ -41,16 +42,22 @@ SCALE = 0.05          # K/V dequant scale (device tensor)
 Q_SCALE = 0.02        # query scale of the FP8 query
 SMALL = (1, 16, 64, 256)
 LARGE = 65536
-# Small-batch plan entries to try (label -> ROPE_SIZES entries).
+# Small-batch plan entries to try (label -> ROPE_SIZES entries; the tiny-batch tier is off while
+# they are timed, so that each applies at every small size).
+# Large-batch plan entries to try (the division of K/V and of an FP8 query by their scales).
+LARGE_VARIANTS = {
+    "div.rn": dict(reciprocal_div=Division.DIV_RN, fp8q_reciprocal_div=Division.DIV_RN),
+    "FMA division": dict(reciprocal_div=Division.FMA, fp8q_reciprocal_div=Division.FMA),
+    "fp64 division": dict(reciprocal_div=Division.FP64, fp8q_reciprocal_div=Division.FP64),
+}
 PLAN_VARIANTS = {
-    "fused, 4 warps": dict(small_batch_warps=4),
-    "fused, 16 warps": dict(small_batch_warps=16),
-    "fused, 2 tokens per program": dict(small_block_t=2),
-    "fused, 2 kv heads per program": dict(small_kv_heads_per_program=2),
-    "fused, 4 kv heads per program": dict(small_kv_heads_per_program=4),
-    "fused, 1 kv head per program, 4 warps": dict(small_kv_heads_per_program=1,
-                                                  small_batch_warps=4),
-    "fused, div.rn (no reciprocal)": dict(reciprocal_div=False),
+    "all heads, 4 warps": dict(small_kv_heads_per_program=0, small_batch_warps=4),
+    "all heads, 4 warps, FMA division": dict(
+        small_kv_heads_per_program=0, small_batch_warps=4, small_reciprocal_div=Division.FMA,
+        small_fp8q_reciprocal_div=Division.FMA),
+    "2 kv heads per program, 4 warps, fp64 division": dict(
+        small_kv_heads_per_program=2, small_batch_warps=4, small_reciprocal_div=Division.FP64,
+        small_fp8q_reciprocal_div=Division.FP64),
 }
 
 
@@ -221,11 +228,21 @@ def table_rope(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
                           nbytes)
                 table.add(name, tokens, unfused, mode, timer.time(mode, [case.unfused(**kind)]),
                           nbytes)
+        if timer.cuda and tokens == large:
+            for label, entries in LARGE_VARIANTS.items():
+                with planned_with(plan_rope.ROPE_SIZES, plan.CUDA, **entries):
+                    for fused, _, kind in PROVIDERS:
+                        table.add(name, tokens, f"{fused}, {label}", "graph",
+                                  timer.time("graph", [case.fused(**kind)]),
+                                  rope_bytes(tokens, **kind))
         if timer.cuda and tokens in small:
             for label, entries in PLAN_VARIANTS.items():
-                with planned_with(plan_rope.ROPE_SIZES, plan.CUDA, **entries):
-                    table.add(name, tokens, label, "graph", timer.time("graph", [case.fused()]),
-                              rope_bytes(tokens))
+                with planned_with(plan_rope.ROPE_SIZES, plan.CUDA, tiny_batch_tokens=0,
+                                  **entries):
+                    for fused, _, kind in PROVIDERS:
+                        table.add(name, tokens, f"{fused}, {label}", "graph",
+                                  timer.time("graph", [case.fused(**kind)]),
+                                  rope_bytes(tokens, **kind))
         if timer.cuda:
             table.add_roofline(name, tokens, rope_bytes(tokens), copy_gbps)
         if tokens == large:

@@ -5,7 +5,8 @@ the kernel's own latency: its first loads (slots, K/V rows, the scale), the divi
 The rows compare fp8kv's write (exact IEEE division) with two plain writers of the kind engines
 ship (bench/anchors.py, Triton's ``/``): the tiled one-program-per-token writer (2,048-element
 tiles, 16 warps) and the SGLang-style one (one tile per row, 4 warps); then fp8kv with other
-small-batch entries of ``fp8kv.plan.WRITE_SIZES``, measured in the same run to choose them.
+small-batch entries of ``fp8kv.plan.WRITE_SIZES`` (the split of a few tokens' rows over
+programs, warps, the division), measured in the same run to choose them.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import functools
 
 import fp8kv_torch
 from fp8kv import plan
+from fp8kv.modes import Division
 
 from . import anchors
 from .common import Config, Timer, free_memory
@@ -21,13 +23,14 @@ from .sweep import planned_with
 from .write_torch import HEAD_DIM, HEADS, PAGE_SIZE, build_write_case
 
 TOKENS = (1, 16, 64, 256)
-# fp8kv with other small-batch plan entries: label -> WRITE_SIZES entries.
+# fp8kv with other small-batch plan entries: label -> WRITE_SIZES entries. "chunks": rows split
+# over programs (grid axis 1) up to the given batch size.
 PLAN_VARIANTS = {
-    "fp8kv, 4 warps": dict(small_batch_warps=4),
-    "fp8kv, 16 warps": dict(small_batch_warps=16),
-    "fp8kv, 2048-element tile, 16 warps": dict(tile=2048, max_block_hd=2048,
-                                               small_batch_warps=16),
-    "fp8kv, div.rn (no reciprocal)": dict(reciprocal_div=False),
+    "fp8kv, rows whole (FMA division)": dict(split_batch_tokens=0),
+    "fp8kv, rows whole, 16 warps, div.rn": dict(split_batch_tokens=0, small_batch_warps=16,
+                                                reciprocal_div=Division.DIV_RN),
+    "fp8kv, 128-column chunks up to 256 tokens": dict(split_batch_tokens=256),
+    "fp8kv, 128-column chunks, fp64 division": dict(split_division=Division.FP64),
 }
 
 

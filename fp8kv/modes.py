@@ -93,3 +93,13 @@ class LayerKind(enum.Enum):
     @property
     def id(self) -> int:
         return self.value
+
+
+class Division(enum.IntEnum):
+    """How a kernel divides by one scale per side (the plans' ``reciprocal_div`` entry, the
+    kernels' ``RECIPROCAL_DIV`` constexpr); every one gives IEEE's ``RN(x / s)`` codes
+    (:mod:`fp8kv.ops.codec`)."""
+
+    DIV_RN = 0    # div.rn per element
+    FMA = 1       # an fp32 reciprocal per program, two FMA corrections per element
+    FP64 = 2      # an fp64 reciprocal per program, one fp64 product per element

@@ -13,7 +13,7 @@ import triton
 
 from .arrays import ArrayInfo
 from .layout import combined_halves, paged
-from .modes import OUT_KIND_OF_DTYPE, LayerKind, ScaleKind, SideScale
+from .modes import OUT_KIND_OF_DTYPE, Division, LayerKind, ScaleKind, SideScale
 from .validate import DequantArgs, WriteArgs
 
 INTERPRET, CUDA = "interpret", "cuda"
@@ -23,18 +23,29 @@ INTERPRET, CUDA = "interpret", "cuda"
 # every size; large batches want 2 warps (one 16-byte load of K and one of V per thread, many
 # programs per SM), small ones 8 warps (more memory requests in flight, shorter dependency chains
 # per thread): batches of up to `small_batch_elems` row elements use `small_batch_warps`.
-# reciprocal_div: small batches divide by a per-tensor scale with one reciprocal and FMA
-# corrections (exact, see codec.divide_by_scalar), which shortens each thread's dependency chain
-# (16 tokens: 2.39 vs 2.50 us); large batches keep div.rn, faster there (97.8 vs 100.0 us).
+# reciprocal_div (a fp8kv.modes.Division): how small batches divide by a per-tensor scale --
+# FMA: one fp32 reciprocal and two FMA corrections per element (codec.divide_by_scalar); FP64:
+# one fp64 reciprocal and an fp64 product per element (codec.divide_fp64); both exact and
+# shorter per thread than div.rn (16 tokens: 2.39 vs 2.50 us); large batches keep div.rn,
+# faster there (97.8 vs 100.0 us).
 # loads_first_elems: per-token-head writes load both sides' tiles before the first amax when a
 # tile has at most this many elements (H200, 65,536 tokens, 8 x 128: 107.4 vs 109.6 us); larger
 # tiles (8 x 256: 234 vs 211 us, register pressure) and per-token scales (8 x 128: 112 vs 107 us)
 # run one side after the other. The interpreter takes both orders (per-token-head / per-token).
+# split_*: batches of up to split_batch_tokens tokens with static scales split each row into
+# chunks of split_chunk columns, one program per (token, chunk) (grid axis 1), with split_warps
+# warps and split_division (a fp8kv.modes.Division): a decode step's few tokens then use
+# several SMs instead of queueing on one SM's schedulers. Dynamic scales need whole rows and
+# never split.
 WRITE_SIZES = {
     CUDA: dict(tile=1024, max_block_hd=1024, num_warps=2, small_batch_warps=8,
-               small_batch_elems=1 << 20, reciprocal_div=True, loads_first_elems=1024),
+               small_batch_elems=1 << 20, reciprocal_div=Division.FMA, loads_first_elems=1024,
+               split_batch_tokens=16, split_chunk=128, split_warps=4,
+               split_division=Division.DIV_RN),
     INTERPRET: dict(tile=1 << 16, max_block_hd=1 << 16, num_warps=1, small_batch_warps=1,
-                    small_batch_elems=0, reciprocal_div=False, loads_first_elems=1 << 16),
+                    small_batch_elems=0, reciprocal_div=Division.DIV_RN,
+                    loads_first_elems=1 << 16, split_batch_tokens=0, split_chunk=1 << 16,
+                    split_warps=1, split_division=Division.DIV_RN),
 }
 DEQUANT_SIZES = {
     CUDA: dict(block=2048, num_warps=4),
@@ -47,18 +58,22 @@ DEQUANT_SIZES = {
 # token) for batches of up to small_batch_elems row elements. loads_first: both sides' loads
 # before the first amax. dequantize: output elements per program and warps. SASS of the default
 # write: ~24 instructions per element on the reciprocal path; first guesses, to be measured
-# (bench/nvfp4.py has the variants).
+# (bench/nvfp4.py has the variants). small_blockwise: small batches load [T, H, D/16, 16] blocks
+# over two threads each (a quarter of a group's chain per thread; the amax a two-thread
+# reduction) instead of whole groups per thread.
 NVFP4_WRITE_SIZES = {
     # Measured on the H200 (bench/nvfp4.py variants): 1,024-element tiles with one warp beat
-    # 2,048 with two at 65,536 tokens (129 vs 136 us); four warps beat one at 1-256 tokens.
+    # 2,048 with two at 65,536 tokens (129 vs 136 us); four warps beat one at 1-256 tokens, and
+    # the blockwise layout beats whole groups there (1 / 256 tokens: 2.68 / 3.49 vs 2.87 /
+    # 3.72 us).
     CUDA: dict(tile=1024, num_warps=1, small_tile=1024, small_batch_warps=4,
-               small_batch_elems=1 << 18, loads_first=True),
+               small_batch_elems=1 << 18, loads_first=True, small_blockwise=True),
     INTERPRET: dict(tile=1 << 16, num_warps=1, small_tile=1 << 16, small_batch_warps=1,
-                    small_batch_elems=0, loads_first=True),
+                    small_batch_elems=0, loads_first=True, small_blockwise=False),
 }
 NVFP4_DEQUANT_SIZES = {
-    CUDA: dict(block=4096, num_warps=4, reciprocal_div=True),
-    INTERPRET: dict(block=1 << 16, num_warps=1, reciprocal_div=False),
+    CUDA: dict(block=4096, num_warps=4, reciprocal_div=Division.FP64),
+    INTERPRET: dict(block=1 << 16, num_warps=1, reciprocal_div=Division.DIV_RN),
 }
 
 
@@ -170,14 +185,20 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
     sizes = WRITE_SIZES[backend]
     kc, vc = args.key_cache, args.value_cache
     row = kc.num_heads * kc.head_dim
-    block_hd = min(triton.next_power_of_2(max(row, 1)), sizes["max_block_hd"])
     block_h, block_d = triton.next_power_of_2(kc.num_heads), triton.next_power_of_2(kc.head_dim)
     # A dynamic side takes whole rows as [BLOCK_T, BLOCK_H, BLOCK_D] tiles.
     dynamic = args.key_scale.is_dynamic or args.value_scale.is_dynamic
-    block_t = max(1, sizes["tile"] // (block_h * block_d if dynamic else block_hd))
+    small = args.num_tokens * row <= sizes["small_batch_elems"]
+    split = (small and not dynamic and args.num_tokens <= sizes["split_batch_tokens"]
+             and row > sizes["split_chunk"])
+    block_hd = min(triton.next_power_of_2(sizes["split_chunk"] if split else max(row, 1)),
+                   sizes["max_block_hd"])
+    # The tiles of BLOCK_HD columns cover a chunk exactly: a split row's chunks are multiples.
+    row_chunk = block_hd * -(-sizes["split_chunk"] // block_hd) if split else row
+    row_programs = -(-row // row_chunk)
+    block_t = 1 if split else max(1, sizes["tile"] // (block_h * block_d if dynamic else block_hd))
     if backend == INTERPRET:  # no compile cost here: fit the tile to the batch
         block_t = min(block_t, triton.next_power_of_2(max(args.num_tokens, 1)))
-    small = args.num_tokens * row <= sizes["small_batch_elems"]
     key, value = args.key, args.value
     scalars, constexprs = _shared(args, backend, exact)
     layer_scalars, layer_constexprs = layer_params(args)   # stacked caches
@@ -187,20 +208,25 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
     constexprs.update(
         STRIDE_KEY_TOKEN=key.strides[0], STRIDE_KEY_HEAD=key.strides[1],
         STRIDE_VALUE_TOKEN=value.strides[0], STRIDE_VALUE_HEAD=value.strides[1],
-        BLOCK_T=block_t, BLOCK_HD=block_hd, BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_T=block_t, BLOCK_HD=block_hd, ROW_CHUNK=row_chunk, BLOCK_H=block_h,
+        BLOCK_D=block_d,
         SCALE_POW2=args.scale_pow2,
         KEY_PACKED=key.strides[1] == kc.head_dim or kc.num_heads == 1,
         VALUE_PACKED=value.strides[1] == kc.head_dim or kc.num_heads == 1,
         CACHE_PACKED=kc.packed_rows and vc.packed_rows,
-        RECIPROCAL_DIV=sizes["reciprocal_div"] and small,
+        RECIPROCAL_DIV=int(sizes["split_division" if split else "reciprocal_div"] if small
+                           else Division.DIV_RN),
         DYNAMIC_LOADS_FIRST=(args.key_scale.dynamic is args.value_scale.dynamic
                              is ScaleKind.TOKEN_HEAD
                              and block_t * block_h * block_d <= sizes["loads_first_elems"]),
         # One buffer holds both caches: V goes through the K output (one output per buffer).
         SHARED_OUT=args.combined)
-    grid = (triton.cdiv(args.num_tokens, block_t),)
-    constexprs["OFFSETS_64"] = offsets_64(args, grid[0] * block_t, block_h, block_d, block_hd)
-    num_warps = sizes["small_batch_warps"] if small else sizes["num_warps"]
+    grid = (triton.cdiv(args.num_tokens, block_t), row_programs)
+    # Masked lanes of the last chunk reach column row_programs * row_chunk.
+    constexprs["OFFSETS_64"] = offsets_64(args, grid[0] * block_t, block_h, block_d,
+                                          max(block_hd, row_programs * row_chunk))
+    num_warps = (sizes["split_warps"] if split else
+                 sizes["small_batch_warps"] if small else sizes["num_warps"])
     return LaunchPlan(grid, num_warps, scalars, constexprs)
 
 
@@ -290,7 +316,8 @@ def _plan_write_nvfp4(args: WriteArgs, backend: str, exact: bool | None) -> Laun
         **_strides("KC", kc), **_strides("VC", vc), VALUE_CACHE_OFFSET=vc.offset,
         **_strides("KB", ks.stored), **_strides("VB", vs.stored),
         K_SCALE=ks.kind.id, V_SCALE=vs.kind.id, BLOCK_T=block_t, BLOCK_H=block_h,
-        BLOCK_D=block_d, LOADS_FIRST=sizes["loads_first"], SHARED_OUT=args.combined,
+        BLOCK_D=block_d, LOADS_FIRST=sizes["loads_first"],
+        BLOCKWISE=small and sizes["small_blockwise"], SHARED_OUT=args.combined,
         OFFSETS_64=_nvfp4_offsets_64(args, grid[0] * block_t, block_h, block_d),
         EXACT=backend == INTERPRET if exact is None else exact)
     num_warps = sizes["small_batch_warps"] if small else sizes["num_warps"]
@@ -322,7 +349,7 @@ def _plan_dequantize_nvfp4(args: DequantArgs, ko, vo, backend: str,
         K_SCALE=ks.kind.id, V_SCALE=vs.kind.id, OUT_SCALE=os.kind.id,
         HND=args.layout == "HND" and args.cache_rank == 4, ROWS=rows, BLOCK_D=block_d,
         OUT_KIND=int(OUT_KIND_OF_DTYPE[args.out_dtype]), HAS_NULL_PAGE=args.null_page is not None,
-        SHARED_OUT=args.combined, RECIPROCAL_DIV=sizes["reciprocal_div"],
+        SHARED_OUT=args.combined, RECIPROCAL_DIV=int(sizes["reciprocal_div"]),
         EXACT=backend == INTERPRET if exact is None else exact)
     chunks = triton.cdiv(kc.page_size * kc.num_heads, rows)
     grid = (args.batch * args.pages_per_seq * chunks,)

@@ -12,11 +12,13 @@ import functools
 
 import triton
 
-from .modes import OUT_KIND_OF_DTYPE, ScaleKind
+from .modes import OUT_KIND_OF_DTYPE, Division, ScaleKind
 from .plan import CUDA, INT32_REACH, INTERPRET, LaunchPlan, _shared
 from .validate_rope import RopeWriteArgs
 
-# Per backend. Batches of up to `small_batch_tokens` tokens take the `small_*` entries.
+# Per backend. Batches of up to `small_batch_tokens` tokens take the `small_*` entries, and of up
+# to `tiny_batch_tokens` (`tiny_batch_tokens_dynamic` with dynamic K/V scales) the `tiny_*` ones
+# (a decode step's few tokens: spread over more SMs).
 # * block_t: tokens per program. The interpreter fits it to the batch, up to `tile` elements of
 #   query per program (it runs one program at a time, ~ms each).
 # * kv_heads_per_program: kv heads (with their query heads) per program; 0 means all of them (one
@@ -25,16 +27,32 @@ from .validate_rope import RopeWriteArgs
 #   dynamic scales need every kv head of a token in one program (their amax): they always take 0.
 # * q_tile: query elements per step of the program's loop over its query heads (registers).
 # * v_tile: value elements per step of the static-scale V loop (as write_kv's tile).
-# * num_warps; reciprocal_div: small batches divide by a per-tensor scale with one reciprocal
-#   and two FMA corrections (exact, fp8kv.ops.codec.divide), as write_kv does.
+# * num_warps; reciprocal_div / fp8q_reciprocal_div (with an FP8 query, whose 4x more
+#   divisions make the per-element cost count): how a batch divides by a per-tensor scale (a
+#   fp8kv.modes.Division, exact either way: fp8kv.ops.codec.divide), as write_kv does.
+# Measured on the H200 (bench/NOTES.md): up to 64 tokens (16 with dynamic scales), 2 kv heads
+# per program with 4 warps and div.rn; up to 256, all heads with 4 warps and the FMA division;
+# an FP8 query at every size: the fp64 division (65,536 tokens: 392 vs 477 us with div.rn).
 ROPE_SIZES = {
     CUDA: dict(block_t=1, kv_heads_per_program=0, q_tile=4096, v_tile=1024, num_warps=4,
+               reciprocal_div=Division.DIV_RN, fp8q_reciprocal_div=Division.FP64,
                small_batch_tokens=256, small_block_t=1, small_kv_heads_per_program=0,
-               small_q_tile=4096, small_batch_warps=8, reciprocal_div=True),
+               small_q_tile=4096, small_batch_warps=4, small_reciprocal_div=Division.FMA,
+               small_fp8q_reciprocal_div=Division.FP64,
+               tiny_batch_tokens=64, tiny_batch_tokens_dynamic=16, tiny_block_t=1,
+               tiny_kv_heads_per_program=2, tiny_q_tile=4096, tiny_batch_warps=4,
+               tiny_reciprocal_div=Division.DIV_RN, tiny_fp8q_reciprocal_div=Division.FP64),
     INTERPRET: dict(block_t=0, kv_heads_per_program=0, q_tile=1 << 16, v_tile=1 << 16,
-                    num_warps=1, small_batch_tokens=0, small_block_t=0,
+                    num_warps=1, reciprocal_div=Division.DIV_RN,
+                    fp8q_reciprocal_div=Division.DIV_RN, small_batch_tokens=0,
+                    small_block_t=0,
                     small_kv_heads_per_program=0, small_q_tile=1 << 16, small_batch_warps=1,
-                    reciprocal_div=False, tile=1 << 16),
+                    small_reciprocal_div=Division.DIV_RN,
+                    small_fp8q_reciprocal_div=Division.DIV_RN, tiny_batch_tokens=0,
+                    tiny_batch_tokens_dynamic=0, tiny_block_t=0,
+                    tiny_kv_heads_per_program=0, tiny_q_tile=1 << 16, tiny_batch_warps=1,
+                    tiny_reciprocal_div=Division.DIV_RN,
+                    tiny_fp8q_reciprocal_div=Division.DIV_RN, tile=1 << 16),
 }
 
 
@@ -86,8 +104,10 @@ def plan_rope_write(args: RopeWriteArgs, backend: str, exact: bool | None = None
     q_heads = args.query.shape[1]
     group = q_heads // num_heads
     rotary = args.rotary_dim
-    small = args.num_tokens <= sizes["small_batch_tokens"]
-    prefix = "small_" if small else ""
+    dynamic = w.key_scale.is_dynamic or w.value_scale.is_dynamic
+    tiny = sizes["tiny_batch_tokens_dynamic" if dynamic else "tiny_batch_tokens"]
+    prefix = ("tiny_" if args.num_tokens <= tiny else
+              "small_" if args.num_tokens <= sizes["small_batch_tokens"] else "")
     per_token = ScaleKind.TOKEN in (w.key_scale.dynamic, w.value_scale.dynamic)
     kv_heads = (num_heads if per_token
                 else _kv_heads_per_program(num_heads, sizes[prefix + "kv_heads_per_program"]))
@@ -123,10 +143,12 @@ def plan_rope_write(args: RopeWriteArgs, backend: str, exact: bool | None = None
         BLOCK_PASS=_pow2(head_dim - rotary) if head_dim > rotary else 0, BLOCK_VD=block_vd,
         VALUE_PACKED=value.strides[1] == head_dim or num_heads == 1,
         CACHE_PACKED=kc.packed_rows and vc.packed_rows,
-        RECIPROCAL_DIV=sizes["reciprocal_div"] and small, SHARED_OUT=w.combined)
+        RECIPROCAL_DIV=int(sizes[prefix + ("fp8q_" if q_fmt is not None else "")
+                                 + "reciprocal_div"]),
+        SHARED_OUT=w.combined)
     grid = (triton.cdiv(args.num_tokens, block_t), num_heads // kv_heads)
     constexprs["OFFSETS_64"] = rope_offsets_64(args, grid[0] * block_t,
                                                max(_pow2(kv_heads), block_hq), block_d,
                                                block_vd)
-    num_warps = sizes["small_batch_warps" if small else "num_warps"]
+    num_warps = sizes[prefix + "batch_warps" if prefix else "num_warps"]
     return LaunchPlan(grid, num_warps, scalars, constexprs)

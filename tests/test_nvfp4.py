@@ -19,6 +19,7 @@ from tests.cases import as_uint, random_values  # noqa: E402
 from tests.helpers import bits, requires_cuda, to_torch  # noqa: E402
 from tests.nvfp4_cases import CASES, E2M1, NvCase, inputs, ref_write  # noqa: E402
 from fp8kv import reference as ref  # noqa: E402
+from fp8kv.modes import Division  # noqa: E402
 from fp8kv.reference import np_dtype  # noqa: E402
 import fp8kv_torch  # noqa: E402
 from fp8kv_torch import _launch  # noqa: E402
@@ -58,6 +59,39 @@ def assert_same(got, want):
 def test_write_matches_reference(case, device):
     x = inputs(case)
     assert_same(torch_write(case, x, device), ref_write(case, x))
+
+
+@pytest.fixture
+def blockwise(monkeypatch):
+    """Plan every nvfp4 write as a small batch in the ``BLOCKWISE`` layout (blocks over two
+    threads; ``fp8kv.plan.NVFP4_WRITE_SIZES``); yields the BLOCKWISE constexpr of each plan made."""
+    from fp8kv import plan
+
+    for backend in (plan.CUDA, plan.INTERPRET):
+        monkeypatch.setitem(plan.NVFP4_WRITE_SIZES[backend], "small_batch_elems", 1 << 62)
+        monkeypatch.setitem(plan.NVFP4_WRITE_SIZES[backend], "small_blockwise", True)
+    made = []
+    planner = plan._plan_write_nvfp4
+
+    def recording(*args, **kwargs):
+        launch = planner(*args, **kwargs)
+        made.append(launch.constexprs["BLOCKWISE"])
+        return launch
+
+    monkeypatch.setattr(plan, "_plan_write_nvfp4", recording)
+    _launch.clear_launch_caches()
+    yield made
+    monkeypatch.undo()
+    _launch.clear_launch_caches()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_blockwise_layout_matches_reference(case, device, blockwise):
+    """Small batches' layout (each block of 16 over two threads): the same bytes, nothing
+    else written (poisoned arrays)."""
+    x = inputs(case)
+    assert_same(torch_write(case, x, device), ref_write(case, x))
+    assert blockwise and all(blockwise)
 
 
 def test_write_bf16_pattern_sample(device):
@@ -366,11 +400,24 @@ def _all_patterns(dtype: str, arrangement: str) -> np.ndarray:
     return p.view(np_dtype(dtype)).reshape(64, 8, 128)
 
 
+@pytest.fixture(params=["groups", "blocks"])
+def write_layout(request, monkeypatch):
+    """The small-batch write layout: whole groups per thread, or ``BLOCKWISE``."""
+    from fp8kv import plan
+
+    monkeypatch.setitem(plan.NVFP4_WRITE_SIZES[plan.CUDA], "small_blockwise",
+                        request.param == "blocks")
+    _launch.clear_launch_caches()
+    yield request.param
+    monkeypatch.undo()
+    _launch.clear_launch_caches()
+
+
 @requires_cuda
 @pytest.mark.parametrize("arrangement", ["sorted", "shuffled"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("g", ["none", 2.0 ** -20, 0.0371, 1.7, 2.0 ** 20, "head"])
-def test_gpu_every_pattern_fast_equals_exact(g, dtype, arrangement):
+def test_gpu_every_pattern_fast_equals_exact(g, dtype, arrangement, write_layout):
     case = NvCase(tokens=64, heads=8, head_dim=128, page_size=16, dtype=dtype)
     x = inputs(case, specials=False)
     x["key"] = _all_patterns(dtype, arrangement)
@@ -386,7 +433,7 @@ def test_gpu_every_pattern_fast_equals_exact(g, dtype, arrangement):
 
 @requires_cuda
 @pytest.mark.parametrize("g", [1.0, 0.0213, 3.1e-5, 917.0])
-def test_gpu_fp32_near_every_boundary(g):
+def test_gpu_fp32_near_every_boundary(g, write_layout):
     """fp32 elements within 8 ulps of every boundary times each block's d, for blocks whose
     amax gives many block scales: the reciprocal path's quotient is the correctly rounded one."""
     rng = np.random.default_rng(9)
@@ -413,7 +460,12 @@ def test_gpu_fp32_near_every_boundary(g):
                                            ("float32", None), ("float8_e4m3fn", None),
                                            ("float8_e4m3fn", 0.25), ("float8_e4m3fn", 0.37),
                                            ("float8_e4m3fn", "tensor")])
-def test_gpu_dequantize_fast_equals_exact(out, out_scale):
+@pytest.mark.parametrize("division", [Division.FMA, Division.FP64], ids=["fma", "fp64"])
+def test_gpu_dequantize_fast_equals_exact(out, out_scale, division, monkeypatch):
+    from fp8kv import plan
+
+    monkeypatch.setitem(plan.NVFP4_DEQUANT_SIZES[plan.CUDA], "reciprocal_div", division)
+    _launch.clear_launch_caches()
     case = NvCase(tokens=64, heads=8, head_dim=128, page_size=16, scale="head")
     x = inputs(case)
     table = np.random.default_rng(10).integers(-1, case.pages + 1, size=(4, 8)).astype(np.int32)
@@ -431,6 +483,8 @@ def test_gpu_dequantize_fast_equals_exact(out, out_scale):
                                        value_scale_cache=t["value_scale_cache"],
                                        cache_format="nvfp4", out_scale=_t(scale, "cuda"))
         assert_same(got, want)
+    monkeypatch.undo()
+    _launch.clear_launch_caches()
 
 
 @requires_cuda

@@ -16,6 +16,7 @@ from tests.helpers import bits, requires_cuda, to_torch, torch  # noqa: E402
 from tests.rope_cases import (ROPE_CASES, RopeCase, cos_sin_cache, expected, options,  # noqa: E402
                               rope_inputs, with_)
 from fp8kv import reference as ref  # noqa: E402
+from fp8kv.modes import Division  # noqa: E402
 from fp8kv.plan import CUDA  # noqa: E402
 from fp8kv.plan_rope import plan_rope_write  # noqa: E402
 from fp8kv.validate_rope import check_rope_write  # noqa: E402
@@ -550,24 +551,28 @@ def test_gpu_rows_past_2_31_elements():
 
 
 @pytest.mark.parametrize("entries", [
-    dict(kv_heads_per_program=1, q_tile=64, v_tile=64),
-    dict(kv_heads_per_program=2, tile=2048),
-], ids=["1-kv-head-per-program-small-tiles", "2-kv-heads-per-program-2048-element-tiles"])
+    dict(kv_heads_per_program=1, small_kv_heads_per_program=1, q_tile=64, small_q_tile=64,
+         v_tile=64),
+    dict(kv_heads_per_program=2, small_kv_heads_per_program=2, tile=2048),
+    dict(tiny_batch_tokens=1 << 30, tiny_batch_tokens_dynamic=1 << 30,
+         tiny_kv_heads_per_program=1, tiny_batch_warps=4, tiny_reciprocal_div=Division.FP64),
+], ids=["1-kv-head-per-program-small-tiles", "2-kv-heads-per-program-2048-element-tiles",
+        "tiny-tier-1-kv-head-fp64-division"])
 @pytest.mark.parametrize("case", [ROPE_CASES[i] for i in (0, 3, 5, 6, 9, 10)],
                          ids=lambda c: c.id)
-def test_plan_variants_give_the_same_bytes(case, entries, monkeypatch):
+def test_plan_variants_give_the_same_bytes(case, entries, device, monkeypatch):
     """Other size-table entries (as the GPU bench tries them): kv-head groups over several
-    programs, several query steps and value chunks per program, several programs of tokens --
-    the same bytes (interpreter)."""
-    from fp8kv.plan import INTERPRET
+    programs, several query steps and value chunks per program, several programs of tokens, the
+    tiny-batch tier, the fp64 division -- the same bytes (interpreter and GPU)."""
+    from fp8kv.plan import CUDA, INTERPRET
     from fp8kv.plan_rope import ROPE_SIZES
 
     for name, value in entries.items():
-        monkeypatch.setitem(ROPE_SIZES[INTERPRET], name, value)
+        monkeypatch.setitem(ROPE_SIZES[CUDA if device == "cuda" else INTERPRET], name, value)
     _launch.clear_launch_caches()
     try:
         inputs = rope_inputs(case, seed=7)
-        assert_outputs(run(case, inputs, "cpu"), expected(case, inputs))
+        assert_outputs(run(case, inputs, device), expected(case, inputs))
     finally:
         monkeypatch.undo()
         _launch.clear_launch_caches()

@@ -18,7 +18,7 @@ from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import bind
 from fp8kv.operands import dequantize_operands, rope_write_operands, write_operands
-from fp8kv.modes import ScaleKind
+from fp8kv.modes import Division, ScaleKind
 from fp8kv.plan import CUDA, plan_dequantize, plan_write
 from fp8kv.plan_rope import plan_rope_write
 from fp8kv.validate import check_dequantize, check_write, dequantized_shape
@@ -115,17 +115,59 @@ def test_write_kernel_compiles_for_sm90(case, exact):
     assert "ftz" not in " ".join(found)
     if not exact:  # the fast path relies on the saturating conversion (no clamp of its own)
         assert any(op.startswith("cvt.rn.satfinite") for op in found)
+    division = plan.constexprs["RECIPROCAL_DIV"]
     if args.key_scale.kind is ScaleKind.HEAD or (args.key_scale.kind is not ScaleKind.NONE and (
-            exact or not plan.constexprs["RECIPROCAL_DIV"])):
+            exact or division == Division.DIV_RN)):
         assert "div.rn.f32" in found   # IEEE division
     elif args.key_scale.kind is not ScaleKind.NONE:
-        # One scale, small batch: the reciprocal refined in fp64, then the FMA corrections
-        # (codec.divide_by_scalar); no div.rn and so no branch to its slow path.
+        # One scale, small batch: no div.rn and so no branch to its slow path, but the
+        # reciprocal refined in fp64, then the FMA corrections (codec.divide_by_scalar), or
+        # one fp64 reciprocal and an fp64 product (codec.divide_fp64).
         ptx = compiled.asm["ptx"]
-        assert "fma.rn.f64" in ptx and "fma.rn.f32" in ptx and "div.rn.f32" not in found
-    if case.dtype == "bfloat16" and case.layout == "NHD" and case.head_dim % 64 == 0 and not exact:
-        # vector loads of K/V rows (8 bytes for small batches' 8-warp programs, else 16)
+        assert "div.rn.f32" not in found
+        if division == Division.FMA:
+            assert "fma.rn.f64" in ptx and "fma.rn.f32" in ptx
+        else:
+            assert "div.rn.f64" in ptx and "mul.rn.f64" in ptx
+    if (case.dtype == "bfloat16" and case.layout == "NHD" and case.head_dim % 64 == 0
+            and not exact and plan.grid[1] == 1):
+        # vector loads of whole K/V rows (8 bytes for small batches' 8-warp programs, else 16;
+        # split rows: test_split_rows_compile_for_sm90)
         assert any(op.startswith("ld.global.v") for op in found), found
+
+
+@pytest.mark.parametrize("division", list(Division), ids=lambda d: d.name.lower())
+@pytest.mark.parametrize("tokens,warps", [(1, 1), (1, 4), (16, 2), (3, 4)])
+def test_split_rows_compile_for_sm90(tokens, warps, division, monkeypatch):
+    """A small batch whose rows are split over programs (grid axis 1) compiles for sm_90, with
+    each division and each thread's elements of a chunk in one load."""
+    from fp8kv.plan import WRITE_SIZES
+
+    for name, value in dict(split_batch_tokens=16, split_chunk=128, split_warps=warps,
+                            split_division=division).items():
+        monkeypatch.setitem(WRITE_SIZES[CUDA], name, value)
+    plan_write.cache_clear()
+    try:
+        x = ArrayInfo.contiguous((tokens, 8, 128), "bfloat16", "cuda:0")
+        cache = ArrayInfo.contiguous((300, 16, 8, 128), "float8_e4m3fn", "cuda:0")
+        slots = ArrayInfo.contiguous((tokens,), "int64", "cuda:0")
+        scale = ArrayInfo.contiguous((), "float32", "cuda:0")
+        args = check_write(x, x, cache, cache, slots, scale, scale, layout="NHD",
+                           fp8_format=None)
+        plan = plan_write(args, CUDA)
+        assert plan.grid == (tokens, 8) and plan.num_warps == warps
+        assert plan.constexprs["ROW_CHUNK"] == plan.constexprs["BLOCK_HD"] == 128
+        compiled = compile_for_hopper(
+            ops._write_kv_kernel, write_arrays(args, "bfloat16", "float8_e4m3fn", "int64",
+                                               "float32"), plan)
+        found = ptx_ops(compiled)
+        # Each thread loads its 128 / (32 warps) consecutive bf16 of K and of V at once.
+        assert f"ld.global.b{16 * 128 // (32 * warps)}" in found
+        assert ("div.rn.f32" in found) == (division is Division.DIV_RN)
+        assert ("div.rn.f64" in compiled.asm["ptx"]) == (division is Division.FP64)
+    finally:
+        monkeypatch.undo()
+        plan_write.cache_clear()
 
 
 def test_write_combined_kernel_compiles_for_sm90():
@@ -317,10 +359,13 @@ def test_rope_write_kernel_compiles_for_sm90(variant, exact):
     if not exact:
         assert any(op.startswith("cvt.rn.satfinite") for op in found)
     if variant[7] != "none" or variant[8] != variant[5]:   # a scale: IEEE division
-        # div_rn, or (one scale, small batch) the reciprocal refined in fp64 and corrected
-        assert "div.rn.f32" in found or (
-            plan.constexprs["RECIPROCAL_DIV"] and not exact
-            and "fma.rn.f64" in compiled.asm["ptx"])
+        # div_rn, or (one scale, small batch) the reciprocal refined in fp64 and corrected, or
+        # the fp64 reciprocal and product
+        division = plan.constexprs["RECIPROCAL_DIV"]
+        ptx = compiled.asm["ptx"]
+        assert "div.rn.f32" in found or (not exact and (
+            (division == Division.FMA and "fma.rn.f64" in ptx)
+            or (division == Division.FP64 and "div.rn.f64" in ptx and "mul.rn.f64" in ptx)))
 
 
 @pytest.mark.parametrize("int_divisibility", [True, False], ids=["torch-style", "jax-triton-style"])
@@ -328,16 +373,22 @@ def test_rope_write_kernel_compiles_for_sm90(variant, exact):
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 def test_rope_default_shape_gets_16_byte_accesses(style, tokens, int_divisibility):
     """Llama-3-8B (32 query heads, 8 kv heads x 128) from one fused QKV buffer, bf16 -> e4m3, a
-    device scale: 16-byte loads and stores, the rotation's pair formed in registers (no shared
-    memory, for the gptj reshape/split either), and at large batches no FMA (the products are
-    rounded on their own; small batches use FMAs only for the reciprocal division)."""
+    device scale: 16-byte loads and stores (8-byte stores of neox halves in the tiny-batch
+    tier's programs of 2 kv heads: 8 query half-rows over 4 warps), the rotation's pair formed in registers (no
+    shared memory, for the gptj reshape/split either), and at large batches no FMA (the
+    products are rounded on their own; small batches use FMAs only for the reciprocal
+    division)."""
     variant = (style, 128, 128, 32, 8, "bfloat16", "float32", "tensor", "bfloat16", False,
                "NHD", tokens)
     args, arrays = _rope_args(variant)
     plan = plan_rope_write(args, CUDA)
     compiled = compile_for_hopper(ops._rope_write_kv_kernel, arrays, plan, int_divisibility)
     found = ptx_ops(compiled)
-    assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, found
+    assert "ld.global.v4.b32" in found, found
+    if plan.constexprs["KV_HEADS"] < 8 and style == "neox":
+        assert "st.global.v2.b32" in found, found
+    else:
+        assert "st.global.v4.b32" in found, found
     ptx = compiled.asm["ptx"]
     assert "ld.shared" not in ptx and "st.shared" not in ptx
     assert "ftz" not in ptx
@@ -347,7 +398,9 @@ def test_rope_default_shape_gets_16_byte_accesses(style, tokens, int_divisibilit
 
 @pytest.mark.parametrize("entries", [
     dict(small_kv_heads_per_program=2), dict(small_kv_heads_per_program=1, small_batch_warps=4),
-    dict(small_block_t=2), dict(small_batch_warps=16), dict(reciprocal_div=False),
+    dict(small_block_t=2), dict(small_batch_warps=16),
+    dict(small_reciprocal_div=Division.DIV_RN), dict(small_reciprocal_div=Division.FP64),
+    dict(tiny_batch_tokens=0), dict(tiny_kv_heads_per_program=1, tiny_reciprocal_div=Division.FMA),
 ], ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
 def test_rope_small_batch_plan_variants_compile_for_sm90(entries, monkeypatch):
     """The small-batch size-table entries the bench tries (bench/rope.py) compile for sm_90."""
@@ -420,10 +473,21 @@ def _nvfp4_args(variant, combined=False):
 
 @pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
 @pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("blockwise", [False, True], ids=["groups", "blocks"])
 @pytest.mark.parametrize("variant", NVFP4_WRITE_VARIANTS, ids=lambda v: "-".join(map(str, v)))
-def test_nvfp4_write_kernel_compiles_for_sm90(variant, exact, combined):
-    args, arrays = _nvfp4_args(variant, combined)
-    plan = plan_write(args, CUDA, exact)
+def test_nvfp4_write_kernel_compiles_for_sm90(variant, exact, combined, blockwise, monkeypatch):
+    from fp8kv.plan import NVFP4_WRITE_SIZES
+
+    monkeypatch.setitem(NVFP4_WRITE_SIZES[CUDA], "small_blockwise", blockwise)
+    plan_write.cache_clear()
+    try:
+        args, arrays = _nvfp4_args(variant, combined)
+        plan = plan_write(args, CUDA, exact)
+    finally:
+        monkeypatch.undo()
+        plan_write.cache_clear()
+    small = variant[-1] * variant[3] * variant[4] <= NVFP4_WRITE_SIZES[CUDA]["small_batch_elems"]
+    assert plan.constexprs["BLOCKWISE"] == (blockwise and small)
     assert plan.kernel == "_write_nvfp4_kernel"
     found = ptx_ops(compile_for_hopper(ops._write_nvfp4_kernel, arrays, plan))
     assert "ftz" not in " ".join(found)

@@ -13,6 +13,7 @@ import triton.language as tl  # noqa: E402
 
 from fp8kv import reference as ref
 from fp8kv.formats import FORMATS
+from fp8kv.modes import Division
 from fp8kv.ops._dual import jit
 from fp8kv.ops.codec import reciprocal_rn
 from fp8kv_torch import dequantize_pages, write_kv
@@ -244,15 +245,16 @@ def test_gpu_cache_beyond_2_31_elements(layout):
     torch.cuda.empty_cache()
 
 
-@pytest.fixture
-def reciprocal_division():
-    """Plan writes with the reciprocal division (fp8kv.ops.codec.divide_by_scalar) for one
-    test."""
+@pytest.fixture(params=[Division.FMA, Division.FP64], ids=["fma", "fp64"])
+def reciprocal_division(request):
+    """Plan writes with one of the reciprocal divisions (fp8kv.ops.codec.divide_by_scalar,
+    divide_fp64) for one test."""
     from fp8kv import plan
     from fp8kv_torch._launch import clear_launch_caches
     sizes = plan.WRITE_SIZES["cuda"]
     saved = dict(sizes)
-    sizes.update(reciprocal_div=True, small_batch_elems=1 << 62)  # every batch counts as small
+    # every batch counts as small, and its rows stay whole (one program per 1,024 columns)
+    sizes.update(reciprocal_div=request.param, small_batch_elems=1 << 62, split_batch_tokens=0)
     clear_launch_caches()
     yield
     sizes.update(saved)

@@ -13,6 +13,7 @@ from tests.cases import WRITE_CASES, WriteCase, as_uint, random_values, write_in
 from tests.helpers import bits, requires_cuda, to_torch, torch
 from fp8kv import reference as ref
 from fp8kv.formats import FORMATS
+from fp8kv.modes import Division
 from fp8kv.plan import CUDA, plan_write
 from fp8kv.validate import check_write
 from fp8kv_torch import _launch, write_kv, write_kv_combined
@@ -39,6 +40,49 @@ def run_case(case: WriteCase, device: str, seed: int = 0, exact=None):
 def test_write_matches_reference(case, device):
     got, want = run_case(case, device)
     # Whole caches: written rows are exact, every other byte keeps its poison.
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.fixture(params=list(Division), ids=lambda d: d.name.lower())
+def split_rows(request, monkeypatch):
+    """Plan every static-scale write as a small batch whose rows are split over programs
+    (``fp8kv.plan.WRITE_SIZES``: chunks of 64 columns), with each division of the GPU (the
+    interpreter divides exactly)."""
+    from fp8kv.plan import INTERPRET, WRITE_SIZES
+
+    for backend in (CUDA, INTERPRET):
+        for name, value in dict(small_batch_elems=1 << 62, split_batch_tokens=1 << 30,
+                                split_chunk=64, split_division=request.param).items():
+            monkeypatch.setitem(WRITE_SIZES[backend], name, value)
+    _launch.clear_launch_caches()
+    plan_write.cache_clear()
+    yield
+    monkeypatch.undo()
+    _launch.clear_launch_caches()
+    plan_write.cache_clear()
+
+
+# 8 x 128 rows in 16 chunks; 6 x 80 in 8 with a masked tail; 1 x 256 HND in 4; rank 3 in 8;
+# 2 x 96 rows (page 3) in 3; per-head, per-tensor and float scales.
+SPLIT_CASES = [WRITE_CASES[i] for i in (0, 4, 5, 6, 8)]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.id)
+def test_rows_split_over_programs(split_rows, case, device):
+    """A small batch's rows split over several programs (grid axis 1) write the same bytes, and
+    nothing else (poisoned caches)."""
+    x = write_inputs(case, 0)
+    backend = CUDA if device == "cuda" else "interpret"
+    def info(name):
+        v = x[name]
+        return v if v is None or isinstance(v, float) else _launch.info(to_torch(v, device), name)
+
+    args = check_write(*map(info, ("key", "value", "key_cache", "value_cache", "slots",
+                                   "key_scale", "value_scale")),
+                       layout=case.api_layout, fp8_format=case.fp8_format)
+    assert plan_write(args, backend).grid[1] > 1
+    got, want = run_case(case, device)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
 

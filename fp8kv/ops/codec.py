@@ -23,12 +23,13 @@ Codes travel as int32 holding 0..255 (fp8) or as the output's unsigned bit patte
 import triton.language as tl
 
 from .. import formats
-from ..modes import OutKind, ScaleKind
+from ..modes import Division, OutKind, ScaleKind
 from ._dual import jit
 
 # Every number below comes from fp8kv.formats / fp8kv.modes: kernels see them as constexpr globals.
 FMT_E4M3: tl.constexpr = tl.constexpr(formats.E4M3.id)
 FMT_E5M2: tl.constexpr = tl.constexpr(formats.E5M2.id)
+DIV_FP64: tl.constexpr = tl.constexpr(int(Division.FP64))
 SCALE_NONE: tl.constexpr = tl.constexpr(ScaleKind.NONE.id)
 SCALE_VALUE: tl.constexpr = tl.constexpr(ScaleKind.VALUE.id)
 SCALE_TENSOR: tl.constexpr = tl.constexpr(ScaleKind.TENSOR.id)
@@ -178,11 +179,40 @@ def divide_by_scalar(x, s1, y, f1, f2):
 
 
 @jit
+def reciprocal_fp64(s):
+    """``RN64(1 / s)`` of an fp32 ``s`` (``div.rn.f64``: +-inf for +-0, +-0 for +-inf, NaN for
+    NaN). Once per program."""
+    return 1.0 / s.to(tl.float64)
+
+
+@jit
+def divide_fp64(x, r):
+    """The fp32 quotient ``RN32(RN64(x r))`` for ``r = RN64(1/s)`` (:func:`reciprocal_fp64`),
+    which has the fp8 code of ``RN(x / s)`` for every ``x`` and ``s``.
+
+    ``x r`` is ``x / s`` within a relative 2**-52 (two fp64 roundings), and no fp64 product of
+    fp32 values overflows or underflows. An exact fp32 quotient ``x / s`` is never an fp32
+    midpoint where it is normal, and lies at least 2**-49 (relative) from every one (its
+    significand is a ratio of 24-bit integers), so rounding the product to fp32 gives
+    ``RN(x / s)`` there; a quotient below 2**-126 is +-0 in fp8 however it rounds, and the
+    product keeps its sign; zeros, infinities and NaNs follow IEEE's division through ``r``.
+    One fp64 product and two conversions per element, after a single ``div.rn.f64`` per program:
+    the shortest chain from a loaded scale to the codes. The GPU suite compares it with
+    ``div_rn``'s codes on all 2**32 fp32 inputs for a set of scales, extremes included.
+    """
+    return (x.to(tl.float64) * r).to(tl.float32)
+
+
+@jit
 def scalar_reciprocal(s, KIND: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
     """:func:`divide`'s divisor for one scale ``s`` of ``KIND`` (VALUE or TENSOR), made once per
-    program: :func:`scalar_divisor`'s ``(s1, y, f1, f2)`` on the reciprocal path, else ``s``
-    itself in each place (unused)."""
-    if RECIPROCAL and not EXACT and (KIND == SCALE_VALUE or KIND == SCALE_TENSOR):
+    program: :func:`scalar_divisor`'s ``(s1, y, f1, f2)`` on the reciprocal path
+    (``RECIPROCAL`` a :class:`fp8kv.modes.Division`), :func:`reciprocal_fp64` in each place on
+    the fp64 path, else ``s`` itself in each place (unused)."""
+    if RECIPROCAL == DIV_FP64 and not EXACT and (KIND == SCALE_VALUE or KIND == SCALE_TENSOR):
+        r = reciprocal_fp64(s)
+        divisor = (r, r, r, r)
+    elif RECIPROCAL and not EXACT and (KIND == SCALE_VALUE or KIND == SCALE_TENSOR):
         divisor = scalar_divisor(s)
     else:
         divisor = (s, s, s, s)
@@ -192,9 +222,12 @@ def scalar_reciprocal(s, KIND: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl
 @jit
 def divide(x, s, divisor, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
     """``RN(x / s)`` for one scale ``s`` (``divisor``: its :func:`scalar_reciprocal`):
-    :func:`divide_by_scalar` on the reciprocal path, else ``div_rn``."""
+    :func:`divide_by_scalar` on the reciprocal path, :func:`divide_fp64` on the fp64 path, else
+    ``div_rn``."""
     if EXACT or not RECIPROCAL:
         q = tl.math.div_rn(x, s)
+    elif RECIPROCAL == DIV_FP64:
+        q = divide_fp64(x, divisor[0])
     else:
         q = divide_by_scalar(x, divisor[0], divisor[1], divisor[2], divisor[3])
     return q
@@ -204,20 +237,15 @@ def divide(x, s, divisor, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
 def divide_pair(xk, sk, xv, sv, K_ON: tl.constexpr, V_ON: tl.constexpr, EXACT: tl.constexpr,
                 RECIPROCAL: tl.constexpr):
     """``xk / sk`` (where ``K_ON``) and ``xv / sv`` (where ``V_ON``), correctly rounded (IEEE
-    fp32), for one scale per side; a side that is off is returned as it is. With RECIPROCAL
-    (fast path, small batches) :func:`divide_by_scalar`, else ``div_rn``."""
+    fp32), for one scale per side; a side that is off is returned as it is. ``RECIPROCAL`` (a
+    :class:`fp8kv.modes.Division`; fast path, small batches): :func:`divide_by_scalar` or
+    :func:`divide_fp64`, else ``div_rn``."""
     if K_ON:
-        if EXACT or not RECIPROCAL:
-            xk = tl.math.div_rn(xk, sk)
-        else:
-            s1, y, f1, f2 = scalar_divisor(sk)
-            xk = divide_by_scalar(xk, s1, y, f1, f2)
+        xk = divide(xk, sk, scalar_reciprocal(sk, SCALE_TENSOR, EXACT, RECIPROCAL), EXACT,
+                    RECIPROCAL)
     if V_ON:
-        if EXACT or not RECIPROCAL:
-            xv = tl.math.div_rn(xv, sv)
-        else:
-            s1, y, f1, f2 = scalar_divisor(sv)
-            xv = divide_by_scalar(xv, s1, y, f1, f2)
+        xv = divide(xv, sv, scalar_reciprocal(sv, SCALE_TENSOR, EXACT, RECIPROCAL), EXACT,
+                    RECIPROCAL)
     return xk, xv
 
 
@@ -527,15 +555,18 @@ def divide_by_out_scale(x, s, divisor, EXACT: tl.constexpr, RECIPROCAL: tl.const
     :func:`scalar_reciprocal`).
 
     A power of two ``s`` in ``[2**-126, 2**126)`` multiplies by its exact reciprocal (``f1 f2``
-    of :func:`scalar_divisor`: the same real number, rounded once; one instruction per element);
-    other scales take :func:`divide`.
+    of :func:`scalar_divisor`, or the fp64 reciprocal, exact in fp32: the same real number,
+    rounded once; one instruction per element); other scales take :func:`divide`.
     """
     if EXACT or not RECIPROCAL:
         q = divide(x, s, divisor, EXACT, RECIPROCAL)
     else:
         u = s.to(tl.int32, bitcast=True)
         if ((u & 0x7FFFFF) == 0) & (u >= 0x00800000) & (u < 0x7E800000):
-            q = x * (divisor[2] * divisor[3])
+            if RECIPROCAL == DIV_FP64:
+                q = x * divisor[0].to(tl.float32)   # RN64(1/s) = 1/s, an fp32 power of two
+            else:
+                q = x * (divisor[2] * divisor[3])
         else:
             q = divide(x, s, divisor, EXACT, RECIPROCAL)
     return q

@@ -35,6 +35,7 @@ from ._dual import jit
 from .codec import (OUT_FLOAT32, SCALE_HEAD, SCALE_NONE, SCALE_TOKEN, divide,
                     divide_by_group_scale, dynamic_scale, encode, fp32_to_output_bits,
                     load_as_fp32, load_scale, max_combine, scalar_reciprocal, scalar_scale)
+from .slots import slot_rows
 from .write_kv import _load_rows, _write_dynamic
 
 
@@ -314,18 +315,15 @@ def _rope_write_kv_kernel(
     q0 = tl.program_id(1) * QPP               # and first query head
     in_range = tok < num_tokens
     pos = tl.load(position_ptr + tok, mask=in_range, other=-1).to(tl.int64)
-    slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
+    slot_ok, page, off = slot_rows(slot_ptr, tok, in_range, num_slots, PAGE_SIZE=PAGE_SIZE,
+                                   OFFSETS_64=OFFSETS_64)
     pos_ok = in_range & (pos >= 0) & (pos < max_position)
-    keep = pos_ok & (slot >= 0) & (slot < num_slots)
+    keep = pos_ok & slot_ok
     pos = tl.where(pos_ok, pos, 0)
-    slot = tl.where(keep, slot, 0)
     if OFFSETS_64:   # as _write_kv_kernel: int64 only where an array reaches past 2**31
         tok = tok.to(tl.int64)
     else:
-        slot = slot.to(tl.int32)
         pos = pos.to(tl.int32)
-    page = slot // PAGE_SIZE
-    off = slot % PAGE_SIZE
     q_in = tok * STRIDE_Q_TOKEN
     k_in = tok * STRIDE_KEY_TOKEN
     value_in = tok * STRIDE_VALUE_TOKEN

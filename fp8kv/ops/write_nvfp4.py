@@ -2,7 +2,9 @@
 
 Grid: ``(cdiv(num_tokens, BLOCK_T),)``. A program owns ``BLOCK_T`` tokens. Per side it loads their
 whole rows as four ``[BLOCK_T, BLOCK_H, BLOCK_D / 32, 8]`` pieces (:func:`_load_piece`: groups of
-two blocks of 16, held whole by one thread), reduces each block to its amax, computes the block's
+two blocks of 16, held whole by one thread; with ``BLOCKWISE``, for small batches, as
+``[BLOCK_T, BLOCK_H, BLOCK_D / 16, 16]`` blocks over two threads each, :func:`_load_blocks`),
+reduces each block to its amax, computes the block's
 e4m3 scale and dequant scale ``d`` (:func:`codec.nvfp4_block_scales`), rounds ``x / d`` to E2M1
 codes (:func:`codec.divide_by_block_scale`, :func:`codec.encode_e2m1`), packs code pairs into
 bytes in registers (element ``2i`` in the low nibble) and stores 16 bytes of codes per group and
@@ -29,6 +31,7 @@ from ._dual import jit
 from .codec import (NVFP4_BLOCK, SCALE_HEAD, block_reciprocal, divide_by_block_scale,
                     encode_e2m1, load_raw, load_scale, max_combine, nvfp4_block_scales,
                     nvfp4_sign_mask, raw_to_fp32, scalar_scale)
+from .slots import slot_rows
 
 
 # A program's tiles are [BLOCK_T, BLOCK_H, BLOCK_D / GROUP, PIECE] pieces: piece p of group g of a
@@ -67,6 +70,21 @@ def _load_piece(x_ptr, row, in_range, piece: tl.constexpr, STRIDE_HEAD: tl.const
     mask = (in_range[:, None, None, None] & (h < NUM_HEADS)[None, :, None, None]
             & (col < HEAD_DIM)[None, None, :, :])
     return load_raw(x_ptr, offsets, mask, EXACT)
+
+
+@jit
+def _load_pieces(x_ptr, row, in_range, STRIDE_HEAD: tl.constexpr, NUM_HEADS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 EXACT: tl.constexpr):
+    """The four pieces of one side's rows (:func:`_load_piece`), all loads in flight at once."""
+    return (_load_piece(x_ptr, row, in_range, 0, STRIDE_HEAD, NUM_HEADS, HEAD_DIM, BLOCK_H,
+                        BLOCK_D, EXACT),
+            _load_piece(x_ptr, row, in_range, 1, STRIDE_HEAD, NUM_HEADS, HEAD_DIM, BLOCK_H,
+                        BLOCK_D, EXACT),
+            _load_piece(x_ptr, row, in_range, 2, STRIDE_HEAD, NUM_HEADS, HEAD_DIM, BLOCK_H,
+                        BLOCK_D, EXACT),
+            _load_piece(x_ptr, row, in_range, 3, STRIDE_HEAD, NUM_HEADS, HEAD_DIM, BLOCK_H,
+                        BLOCK_D, EXACT))
 
 
 @jit
@@ -124,6 +142,58 @@ def _write_side(r0, r1, r2, r3, g, dst, row, block_dst, block_row, keep,
              tl.join(sf0, sf1).to(tl.uint8), mask=h_mask & (b < HEAD_DIM // NVFP4_BLOCK)[None, None, :, :])
 
 
+@jit
+def _load_blocks(x_ptr, row, in_range, STRIDE_HEAD: tl.constexpr, NUM_HEADS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 EXACT: tl.constexpr):
+    """The tokens' whole rows (``row``: each token's offset) as ``[BLOCK_T, BLOCK_H,
+    BLOCK_D / 16, 16]`` blocks, as stored (bf16 as bits when EXACT): the ``BLOCKWISE`` layout,
+    where two threads share a block (8 elements, 16 bytes each)."""
+    h = tl.arange(0, BLOCK_H)
+    col = (tl.arange(0, BLOCK_D // NVFP4_BLOCK) * NVFP4_BLOCK)[:, None] + tl.arange(0, NVFP4_BLOCK)
+    offsets = (row[:, None, None, None] + (h * STRIDE_HEAD)[None, :, None, None]
+               + col[None, None, :, :])
+    mask = (in_range[:, None, None, None] & (h < NUM_HEADS)[None, :, None, None]
+            & (col < HEAD_DIM)[None, None, :, :])
+    return load_raw(x_ptr, offsets, mask, EXACT)
+
+
+@jit
+def _write_blocks(raw, g, dst, row, block_dst, block_row, keep, STRIDE_CACHE_HEAD: tl.constexpr,
+                  STRIDE_BLOCK_HEAD: tl.constexpr, NUM_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                  EXACT: tl.constexpr):
+    """:func:`_write_side` for ``BLOCKWISE`` tiles (:func:`_load_blocks`): the amax of a block
+    is a reduction over its two threads, and each thread divides, encodes and stores its 8
+    elements (4 bytes of codes) -- a quarter of a group's work per thread, for batches too small
+    to fill the GPU, where a thread's chain of work is the latency."""
+    x = raw_to_fp32(raw, EXACT)
+    a = tl.abs(x)
+    if EXACT:
+        # The interpreter's maximum propagates NaN; the GPU's max.f32 drops it (max_combine).
+        a = tl.where(x != x, 0.0, a)
+    amax = tl.reduce(a, 3, max_combine)
+    amax = tl.where(amax != amax, 0.0, amax)     # a block of NaNs alone reduces to NaN
+    sf, d = nvfp4_block_scales(amax, g, EXACT)
+    fast, y = block_reciprocal(d, amax, EXACT)
+    codes = encode_e2m1(divide_by_block_scale(x, d[:, :, :, None], y[:, :, :, None], fast, EXACT),
+                        nvfp4_sign_mask(d)[:, :, :, None])
+    lo, hi = tl.split(tl.reshape(codes, (x.shape[0], BLOCK_H, BLOCK_D // NVFP4_BLOCK,
+                                         NVFP4_BLOCK // 2, 2)))
+    h = tl.arange(0, BLOCK_H)
+    h_mask = keep[:, None, None] & (h < NUM_HEADS)[None, :, None]
+    j = ((tl.arange(0, BLOCK_D // NVFP4_BLOCK) * (NVFP4_BLOCK // 2))[:, None]
+         + tl.arange(0, NVFP4_BLOCK // 2))
+    tl.store(dst + (row[:, None, None, None] + (h * STRIDE_CACHE_HEAD)[None, :, None, None]
+                    + j[None, None, :, :]),
+             (lo | (hi << 4)).to(tl.uint8),
+             mask=h_mask[:, :, :, None] & (j < HEAD_DIM // 2)[None, None, :, :])
+    b = tl.arange(0, BLOCK_D // NVFP4_BLOCK)
+    tl.store(block_dst + (block_row[:, None, None] + (h * STRIDE_BLOCK_HEAD)[None, :, None]
+                          + b[None, None, :]),
+             sf.to(tl.uint8), mask=h_mask & (b < HEAD_DIM // NVFP4_BLOCK)[None, None, :])
+
+
 @jit(do_not_specialize=["num_tokens"])
 def _write_nvfp4_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, key_scale_ptr, value_scale_ptr,
@@ -139,20 +209,15 @@ def _write_nvfp4_kernel(
     STRIDE_KB_PAGE: tl.constexpr, STRIDE_KB_SLOT: tl.constexpr, STRIDE_KB_HEAD: tl.constexpr,
     STRIDE_VB_PAGE: tl.constexpr, STRIDE_VB_SLOT: tl.constexpr, STRIDE_VB_HEAD: tl.constexpr,
     K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, LOADS_FIRST: tl.constexpr, SHARED_OUT: tl.constexpr,
-    OFFSETS_64: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK_D: tl.constexpr, LOADS_FIRST: tl.constexpr, BLOCKWISE: tl.constexpr,
+    SHARED_OUT: tl.constexpr, OFFSETS_64: tl.constexpr, EXACT: tl.constexpr,
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = tok < num_tokens
-    slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
-    keep = in_range & (slot >= 0) & (slot < num_slots)
-    slot = tl.where(keep, slot, 0)
+    keep, page, off = slot_rows(slot_ptr, tok, in_range, num_slots, PAGE_SIZE=PAGE_SIZE,
+                                OFFSETS_64=OFFSETS_64)
     if OFFSETS_64:
         tok = tok.to(tl.int64)
-    else:
-        slot = slot.to(tl.int32)
-    page = slot // PAGE_SIZE
-    off = slot % PAGE_SIZE
     key_dst = key_cache_out_ptr.to(tl.pointer_type(tl.uint8))
     if SHARED_OUT:
         value_dst = key_dst
@@ -166,40 +231,46 @@ def _write_nvfp4_kernel(
     vg = _global_scale(value_scale_ptr, value_scale_value, V_SCALE, NUM_HEADS, BLOCK_H)
     key_in = tok * STRIDE_KEY_TOKEN
     value_in = tok * STRIDE_VALUE_TOKEN
-    k0 = _load_piece(key_ptr, key_in, in_range, 0, STRIDE_KEY_HEAD, NUM_HEADS, HEAD_DIM,
-                     BLOCK_H, BLOCK_D, EXACT)
-    k1 = _load_piece(key_ptr, key_in, in_range, 1, STRIDE_KEY_HEAD, NUM_HEADS, HEAD_DIM,
-                     BLOCK_H, BLOCK_D, EXACT)
-    k2 = _load_piece(key_ptr, key_in, in_range, 2, STRIDE_KEY_HEAD, NUM_HEADS, HEAD_DIM,
-                     BLOCK_H, BLOCK_D, EXACT)
-    k3 = _load_piece(key_ptr, key_in, in_range, 3, STRIDE_KEY_HEAD, NUM_HEADS, HEAD_DIM,
-                     BLOCK_H, BLOCK_D, EXACT)
-    if LOADS_FIRST:
-        v0 = _load_piece(value_ptr, value_in, in_range, 0, STRIDE_VALUE_HEAD, NUM_HEADS,
-                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
-        v1 = _load_piece(value_ptr, value_in, in_range, 1, STRIDE_VALUE_HEAD, NUM_HEADS,
-                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
-        v2 = _load_piece(value_ptr, value_in, in_range, 2, STRIDE_VALUE_HEAD, NUM_HEADS,
-                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
-        v3 = _load_piece(value_ptr, value_in, in_range, 3, STRIDE_VALUE_HEAD, NUM_HEADS,
-                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
-    _write_side(k0, k1, k2, k3, kg, key_dst, page * STRIDE_KC_PAGE + off * STRIDE_KC_SLOT,
-                key_blocks, page * STRIDE_KB_PAGE + off * STRIDE_KB_SLOT, keep,
-                STRIDE_CACHE_HEAD=STRIDE_KC_HEAD, STRIDE_BLOCK_HEAD=STRIDE_KB_HEAD,
-                NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                EXACT=EXACT)
-    if not LOADS_FIRST:
-        v0 = _load_piece(value_ptr, value_in, in_range, 0, STRIDE_VALUE_HEAD, NUM_HEADS,
-                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
-        v1 = _load_piece(value_ptr, value_in, in_range, 1, STRIDE_VALUE_HEAD, NUM_HEADS,
-                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
-        v2 = _load_piece(value_ptr, value_in, in_range, 2, STRIDE_VALUE_HEAD, NUM_HEADS,
-                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
-        v3 = _load_piece(value_ptr, value_in, in_range, 3, STRIDE_VALUE_HEAD, NUM_HEADS,
-                         HEAD_DIM, BLOCK_H, BLOCK_D, EXACT)
-    _write_side(v0, v1, v2, v3, vg, value_dst,
-                page * STRIDE_VC_PAGE + off * STRIDE_VC_SLOT + VALUE_CACHE_OFFSET, value_blocks,
-                page * STRIDE_VB_PAGE + off * STRIDE_VB_SLOT, keep,
-                STRIDE_CACHE_HEAD=STRIDE_VC_HEAD, STRIDE_BLOCK_HEAD=STRIDE_VB_HEAD,
-                NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                EXACT=EXACT)
+    key_row = page * STRIDE_KC_PAGE + off * STRIDE_KC_SLOT
+    value_row = page * STRIDE_VC_PAGE + off * STRIDE_VC_SLOT + VALUE_CACHE_OFFSET
+    if BLOCKWISE:   # small batches: blocks over two threads (both sides' loads first)
+        kx = _load_blocks(key_ptr, key_in, in_range, STRIDE_HEAD=STRIDE_KEY_HEAD,
+                          NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H,
+                          BLOCK_D=BLOCK_D, EXACT=EXACT)
+        vx = _load_blocks(value_ptr, value_in, in_range, STRIDE_HEAD=STRIDE_VALUE_HEAD,
+                          NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H,
+                          BLOCK_D=BLOCK_D, EXACT=EXACT)
+        _write_blocks(kx, kg, key_dst, key_row, key_blocks,
+                      page * STRIDE_KB_PAGE + off * STRIDE_KB_SLOT, keep,
+                      STRIDE_CACHE_HEAD=STRIDE_KC_HEAD, STRIDE_BLOCK_HEAD=STRIDE_KB_HEAD,
+                      NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                      EXACT=EXACT)
+        _write_blocks(vx, vg, value_dst, value_row, value_blocks,
+                      page * STRIDE_VB_PAGE + off * STRIDE_VB_SLOT, keep,
+                      STRIDE_CACHE_HEAD=STRIDE_VC_HEAD, STRIDE_BLOCK_HEAD=STRIDE_VB_HEAD,
+                      NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                      EXACT=EXACT)
+    else:
+        k0, k1, k2, k3 = _load_pieces(key_ptr, key_in, in_range, STRIDE_HEAD=STRIDE_KEY_HEAD,
+                                      NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H,
+                                      BLOCK_D=BLOCK_D, EXACT=EXACT)
+        if LOADS_FIRST:
+            v0, v1, v2, v3 = _load_pieces(value_ptr, value_in, in_range,
+                                          STRIDE_HEAD=STRIDE_VALUE_HEAD, NUM_HEADS=NUM_HEADS,
+                                          HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                                          EXACT=EXACT)
+        _write_side(k0, k1, k2, k3, kg, key_dst, key_row,
+                    key_blocks, page * STRIDE_KB_PAGE + off * STRIDE_KB_SLOT, keep,
+                    STRIDE_CACHE_HEAD=STRIDE_KC_HEAD, STRIDE_BLOCK_HEAD=STRIDE_KB_HEAD,
+                    NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                    EXACT=EXACT)
+        if not LOADS_FIRST:
+            v0, v1, v2, v3 = _load_pieces(value_ptr, value_in, in_range,
+                                          STRIDE_HEAD=STRIDE_VALUE_HEAD, NUM_HEADS=NUM_HEADS,
+                                          HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                                          EXACT=EXACT)
+        _write_side(v0, v1, v2, v3, vg, value_dst, value_row, value_blocks,
+                    page * STRIDE_VB_PAGE + off * STRIDE_VB_SLOT, keep,
+                    STRIDE_CACHE_HEAD=STRIDE_VC_HEAD, STRIDE_BLOCK_HEAD=STRIDE_VB_HEAD,
+                    NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
+                    EXACT=EXACT)
