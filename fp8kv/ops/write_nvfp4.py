@@ -58,18 +58,28 @@ def _global_scale(scale_ptr, scale_value, KIND: tl.constexpr, NUM_HEADS: tl.cons
 
 
 @jit
-def _load_piece(x_ptr, row, in_range, piece: tl.constexpr, STRIDE_HEAD: tl.constexpr,
-                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_D: tl.constexpr, EXACT: tl.constexpr):
-    """Piece ``piece`` of every group of the tokens' rows (``row``: each token's offset), as
-    stored (bf16 as bits when EXACT): ``[BLOCK_T, BLOCK_H, BLOCK_D / GROUP, PIECE]``."""
+def _load_columns(x_ptr, row, in_range, col, STRIDE_HEAD: tl.constexpr, NUM_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr):
+    """Columns ``col`` (a ``[n, w]`` tile of head-row columns) of every head of the tokens' rows
+    (``row``: each token's offset), as stored (bf16 as bits when EXACT): ``[BLOCK_T, BLOCK_H, n,
+    w]``."""
     h = tl.arange(0, BLOCK_H)
-    col = (tl.arange(0, BLOCK_D // GROUP) * GROUP)[:, None] + (piece * PIECE + tl.arange(0, PIECE))
     offsets = (row[:, None, None, None] + (h * STRIDE_HEAD)[None, :, None, None]
                + col[None, None, :, :])
     mask = (in_range[:, None, None, None] & (h < NUM_HEADS)[None, :, None, None]
             & (col < HEAD_DIM)[None, None, :, :])
     return load_raw(x_ptr, offsets, mask, EXACT)
+
+
+@jit
+def _load_piece(x_ptr, row, in_range, piece: tl.constexpr, STRIDE_HEAD: tl.constexpr,
+                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_D: tl.constexpr, EXACT: tl.constexpr):
+    """Piece ``piece`` of every group of the tokens' rows: ``[BLOCK_T, BLOCK_H, BLOCK_D / GROUP,
+    PIECE]`` (:func:`_load_columns`)."""
+    col = (tl.arange(0, BLOCK_D // GROUP) * GROUP)[:, None] + (piece * PIECE + tl.arange(0, PIECE))
+    return _load_columns(x_ptr, row, in_range, col, STRIDE_HEAD, NUM_HEADS, HEAD_DIM, BLOCK_H,
+                         EXACT)
 
 
 @jit
@@ -146,16 +156,12 @@ def _write_side(r0, r1, r2, r3, g, dst, row, block_dst, block_row, keep,
 def _load_blocks(x_ptr, row, in_range, STRIDE_HEAD: tl.constexpr, NUM_HEADS: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                  EXACT: tl.constexpr):
-    """The tokens' whole rows (``row``: each token's offset) as ``[BLOCK_T, BLOCK_H,
-    BLOCK_D / 16, 16]`` blocks, as stored (bf16 as bits when EXACT): the ``BLOCKWISE`` layout,
-    where two threads share a block (8 elements, 16 bytes each)."""
-    h = tl.arange(0, BLOCK_H)
+    """The tokens' whole rows as ``[BLOCK_T, BLOCK_H, BLOCK_D / 16, 16]`` blocks
+    (:func:`_load_columns`): the ``BLOCKWISE`` layout, where two threads share a block (8
+    elements, 16 bytes each)."""
     col = (tl.arange(0, BLOCK_D // NVFP4_BLOCK) * NVFP4_BLOCK)[:, None] + tl.arange(0, NVFP4_BLOCK)
-    offsets = (row[:, None, None, None] + (h * STRIDE_HEAD)[None, :, None, None]
-               + col[None, None, :, :])
-    mask = (in_range[:, None, None, None] & (h < NUM_HEADS)[None, :, None, None]
-            & (col < HEAD_DIM)[None, None, :, :])
-    return load_raw(x_ptr, offsets, mask, EXACT)
+    return _load_columns(x_ptr, row, in_range, col, STRIDE_HEAD, NUM_HEADS, HEAD_DIM, BLOCK_H,
+                         EXACT)
 
 
 @jit
