@@ -471,10 +471,16 @@ def _nvfp4_args(variant, combined=False):
     return args, arrays
 
 
-@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+# The small-batch layout (blocks over two threads) for the small variants, separate caches.
+NVFP4_LAYOUTS = [
+    pytest.param(v, c, b, id="-".join(map(str, v)) + ("-combined" if c else "-separate")
+                 + ("-blocks" if b else "-groups"))
+    for v in NVFP4_WRITE_VARIANTS for c, b in ((False, False), (True, False), (False, True))
+    if not b or v is not NVFP4_WRITE_VARIANTS[0]]
+
+
 @pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
-@pytest.mark.parametrize("blockwise", [False, True], ids=["groups", "blocks"])
-@pytest.mark.parametrize("variant", NVFP4_WRITE_VARIANTS, ids=lambda v: "-".join(map(str, v)))
+@pytest.mark.parametrize("variant,combined,blockwise", NVFP4_LAYOUTS)
 def test_nvfp4_write_kernel_compiles_for_sm90(variant, exact, combined, blockwise, monkeypatch):
     from fp8kv.plan import NVFP4_WRITE_SIZES
 

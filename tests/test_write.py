@@ -44,47 +44,54 @@ def test_write_matches_reference(case, device):
     np.testing.assert_array_equal(got[1], want[1])
 
 
-@pytest.fixture(params=list(Division), ids=lambda d: d.name.lower())
-def split_rows(request, monkeypatch):
+@pytest.fixture
+def split_rows(monkeypatch):
     """Plan every static-scale write as a small batch whose rows are split over programs
-    (``fp8kv.plan.WRITE_SIZES``: chunks of 64 columns), with each division of the GPU (the
-    interpreter divides exactly)."""
+    (``fp8kv.plan.WRITE_SIZES``: chunks of 128 columns); yields a function that sets the
+    division of such programs."""
     from fp8kv.plan import INTERPRET, WRITE_SIZES
 
-    for backend in (CUDA, INTERPRET):
-        for name, value in dict(small_batch_elems=1 << 62, split_batch_tokens=1 << 30,
-                                split_chunk=64, split_division=request.param).items():
-            monkeypatch.setitem(WRITE_SIZES[backend], name, value)
-    _launch.clear_launch_caches()
-    plan_write.cache_clear()
-    yield
+    def use(division):
+        for backend in (CUDA, INTERPRET):
+            for name, value in dict(small_batch_elems=1 << 62, split_batch_tokens=1 << 30,
+                                    split_chunk=128, split_division=division).items():
+                monkeypatch.setitem(WRITE_SIZES[backend], name, value)
+        _launch.clear_launch_caches()
+        plan_write.cache_clear()
+
+    yield use
     monkeypatch.undo()
     _launch.clear_launch_caches()
     plan_write.cache_clear()
 
 
-# 8 x 128 rows in 16 chunks; 6 x 80 in 8 with a masked tail; 1 x 256 HND in 4; rank 3 in 8;
-# 2 x 96 rows (page 3) in 3; per-head, per-tensor and float scales.
+# 8 x 128 rows in 8 chunks; 6 x 80 in 4 with a masked tail; 1 x 256 HND in 2; rank 3 in 4;
+# 2 x 96 rows (page 3) in 2 with a masked tail; per-head, per-tensor and float scales.
 SPLIT_CASES = [WRITE_CASES[i] for i in (0, 4, 5, 6, 8)]
 
 
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.id)
 def test_rows_split_over_programs(split_rows, case, device):
     """A small batch's rows split over several programs (grid axis 1) write the same bytes, and
-    nothing else (poisoned caches)."""
+    nothing else (poisoned caches), with each division of the GPU (the interpreter divides
+    exactly, whichever the plan names)."""
     x = write_inputs(case, 0)
     backend = CUDA if device == "cuda" else "interpret"
+
     def info(name):
         v = x[name]
         return v if v is None or isinstance(v, float) else _launch.info(to_torch(v, device), name)
 
-    args = check_write(*map(info, ("key", "value", "key_cache", "value_cache", "slots",
-                                   "key_scale", "value_scale")),
-                       layout=case.api_layout, fp8_format=case.fp8_format)
-    assert plan_write(args, backend).grid[1] > 1
-    got, want = run_case(case, device)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
+    for division in list(Division) if device == "cuda" else [Division.DIV_RN]:
+        split_rows(division)
+        args = check_write(*map(info, ("key", "value", "key_cache", "value_cache", "slots",
+                                       "key_scale", "value_scale")),
+                           layout=case.api_layout, fp8_format=case.fp8_format)
+        launch = plan_write(args, backend)
+        assert launch.grid[1] > 1 and launch.constexprs["RECIPROCAL_DIV"] == division
+        got, want = run_case(case, device)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
