@@ -191,10 +191,10 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
     small = args.num_tokens * row <= sizes["small_batch_elems"]
     split = (small and not dynamic and args.num_tokens <= sizes["split_batch_tokens"]
              and row > sizes["split_chunk"])
+    # A split row's chunk is one tile: split_chunk rounded up to a power of two (<= max_block_hd).
     block_hd = min(triton.next_power_of_2(sizes["split_chunk"] if split else max(row, 1)),
                    sizes["max_block_hd"])
-    # The tiles of BLOCK_HD columns cover a chunk exactly: a split row's chunks are multiples.
-    row_chunk = block_hd * -(-sizes["split_chunk"] // block_hd) if split else row
+    row_chunk = block_hd if split else row
     row_programs = -(-row // row_chunk)
     block_t = 1 if split else max(1, sizes["tile"] // (block_h * block_d if dynamic else block_hd))
     if backend == INTERPRET:  # no compile cost here: fit the tile to the batch

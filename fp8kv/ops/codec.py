@@ -240,6 +240,7 @@ def divide_pair(xk, sk, xv, sv, K_ON: tl.constexpr, V_ON: tl.constexpr, EXACT: t
     fp32), for one scale per side; a side that is off is returned as it is. ``RECIPROCAL`` (a
     :class:`fp8kv.modes.Division`; fast path, small batches): :func:`divide_by_scalar` or
     :func:`divide_fp64`, else ``div_rn``."""
+    # A side that is on has one scale (VALUE or TENSOR, already loaded): TENSOR stands for both.
     if K_ON:
         xk = divide(xk, sk, scalar_reciprocal(sk, SCALE_TENSOR, EXACT, RECIPROCAL), EXACT,
                     RECIPROCAL)

@@ -35,8 +35,8 @@ from ._dual import jit
 from .codec import (OUT_FLOAT32, SCALE_HEAD, SCALE_NONE, SCALE_TOKEN, divide,
                     divide_by_group_scale, dynamic_scale, encode, fp32_to_output_bits,
                     load_as_fp32, load_scale, max_combine, scalar_reciprocal, scalar_scale)
-from .slots import slot_rows
-from .write_kv import _load_rows, _write_dynamic
+from .slots import cache_bytes, slot_rows
+from .write_kv import _load_rows, _write_dynamic, store_head_scales
 
 
 @jit
@@ -232,16 +232,9 @@ def _write_rotated_dynamic(ya, yb, yp, dst, row, scale_dst, scale_row, h, h_mask
     # Where the scales go: as _write_dynamic stores them (side arrays with evict_last).
     if KIND == SCALE_TOKEN:
         tl.store(scale_dst + scale_row, s, mask=keep, eviction_policy="evict_last")
-    elif INLINE_PAD > 0:
-        j = tl.arange(0, INLINE_PAD)
-        bits = s.to(tl.int32, bitcast=True)   # s > 0: no sign bit to smear
-        byte = tl.where(j[None, None, :] < 4,
-                        (bits[:, :, None] >> ((8 * j) & 31)[None, None, :]) & 0xFF, 0)
-        tl.store(dst + (row[:, None, None] + (head_off + HEAD_DIM)[None, :, None]
-                        + j[None, None, :]), byte.to(tl.uint8), mask=mask_th[:, :, None])
     else:
-        tl.store(scale_dst + (scale_row[:, None] + (h * STRIDE_SCALE_HEAD)[None, :]), s,
-                 mask=mask_th, eviction_policy="evict_last")
+        store_head_scales(s, dst, row, head_off, scale_dst, scale_row, h * STRIDE_SCALE_HEAD,
+                          mask_th, HEAD_DIM=HEAD_DIM, INLINE_PAD=INLINE_PAD)
 
 
 @jit
@@ -370,11 +363,7 @@ def _rope_write_kv_kernel(
     else:
         k_head = k_s
 
-    key_dst = key_cache_out_ptr.to(tl.pointer_type(tl.uint8))
-    if SHARED_OUT:
-        value_dst = key_dst
-    else:
-        value_dst = value_cache_out_ptr.to(tl.pointer_type(tl.uint8))
+    key_dst, value_dst = cache_bytes(key_cache_out_ptr, value_cache_out_ptr, SHARED_OUT)
     key_row = page * STRIDE_KC_PAGE + off * STRIDE_KC_SLOT
     value_row = page * STRIDE_VC_PAGE + off * STRIDE_VC_SLOT + VALUE_CACHE_OFFSET
     if Q_OUT_KIND == OUT_FLOAT32:

@@ -18,3 +18,16 @@ def slot_rows(slot_ptr, tok, in_range, num_slots, PAGE_SIZE: tl.constexpr,
     if not OFFSETS_64:
         slot = slot.to(tl.int32)
     return keep, slot // PAGE_SIZE, slot % PAGE_SIZE
+
+
+@jit
+def cache_bytes(key_cache_out_ptr, value_cache_out_ptr, SHARED_OUT: tl.constexpr):
+    """``(key_dst, value_dst)``: the caches' outputs as byte pointers (codes are stored as their
+    bytes, whatever the caches' dtype); with ``SHARED_OUT`` (a combined cache, one output per
+    buffer) V goes through the K output."""
+    key_dst = key_cache_out_ptr.to(tl.pointer_type(tl.uint8))
+    if SHARED_OUT:
+        value_dst = key_dst
+    else:
+        value_dst = value_cache_out_ptr.to(tl.pointer_type(tl.uint8))
+    return key_dst, value_dst

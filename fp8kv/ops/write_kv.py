@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ._dual import jit
 from .layers import LAYER_NONE, select_layer
-from .slots import slot_rows
+from .slots import cache_bytes, slot_rows
 from .codec import (SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, SCALE_TOKEN_HEAD,
                     SCALE_VALUE, divide_by_group_scale, divide_pair, dynamic_scale, encode,
                     load_as_fp32, load_raw, load_scale, max_combine, raw_to_fp32, scalar_scale)
@@ -95,17 +95,28 @@ def _write_dynamic(raw, dst, row, scale_dst, scale_row, keep, KIND: tl.constexpr
     tl.store(dst + (row[:, None, None] + (c_head[:, None] + d[None, :])[None, :, :]),
              q.to(tl.uint8), mask=keep[:, None, None] & hd_mask[None, :, :])
     if KIND == SCALE_TOKEN_HEAD:
-        th_mask = keep[:, None] & h_mask[None, :]
-        if INLINE_PAD > 0:
-            j = tl.arange(0, INLINE_PAD)
-            bits = s.to(tl.int32, bitcast=True)   # s > 0: no sign bit to smear
-            byte = tl.where(j[None, None, :] < 4,
-                            (bits[:, :, None] >> ((8 * j) & 31)[None, None, :]) & 0xFF, 0)
-            tl.store(dst + (row[:, None, None] + (c_head + HEAD_DIM)[None, :, None]
-                            + j[None, None, :]), byte.to(tl.uint8), mask=th_mask[:, :, None])
-        else:
-            tl.store(scale_dst + (scale_row[:, None] + (h * STRIDE_SCALE_HEAD)[None, :]), s,
-                     mask=th_mask, eviction_policy="evict_last")
+        store_head_scales(s, dst, row, c_head, scale_dst, scale_row, h * STRIDE_SCALE_HEAD,
+                          keep[:, None] & h_mask[None, :], HEAD_DIM=HEAD_DIM,
+                          INLINE_PAD=INLINE_PAD)
+
+
+@jit
+def store_head_scales(s, dst, row, head_off, scale_dst, scale_row, scale_head_off, mask,
+                      HEAD_DIM: tl.constexpr, INLINE_PAD: tl.constexpr):
+    """Store per-token-head scales ``s`` ``[T, H]`` (where ``mask``): with ``INLINE_PAD``, as 4
+    little-endian bytes (then zeros up to ``INLINE_PAD``) right after each head's ``HEAD_DIM``
+    codes in the cache row (``dst + row + head_off``), else into the side array
+    (``scale_dst + scale_row + scale_head_off``)."""
+    if INLINE_PAD > 0:
+        j = tl.arange(0, INLINE_PAD)
+        bits = s.to(tl.int32, bitcast=True)   # s > 0: no sign bit to smear
+        byte = tl.where(j[None, None, :] < 4,
+                        (bits[:, :, None] >> ((8 * j) & 31)[None, None, :]) & 0xFF, 0)
+        tl.store(dst + (row[:, None, None] + (head_off + HEAD_DIM)[None, :, None]
+                        + j[None, None, :]), byte.to(tl.uint8), mask=mask[:, :, None])
+    else:
+        tl.store(scale_dst + (scale_row[:, None] + scale_head_off[None, :]), s, mask=mask,
+                 eviction_policy="evict_last")
 
 
 @jit(do_not_specialize=["num_tokens", "layer"])
@@ -151,11 +162,7 @@ def _write_kv_kernel(
                                 OFFSETS_64=OFFSETS_64)
     if OFFSETS_64:
         tok = tok.to(tl.int64)
-    key_dst = key_cache_out_ptr.to(tl.pointer_type(tl.uint8))
-    if SHARED_OUT:
-        value_dst = key_dst
-    else:
-        value_dst = value_cache_out_ptr.to(tl.pointer_type(tl.uint8))
+    key_dst, value_dst = cache_bytes(key_cache_out_ptr, value_cache_out_ptr, SHARED_OUT)
     key_row = page * STRIDE_KC_PAGE + off * STRIDE_KC_SLOT
     value_row = page * STRIDE_VC_PAGE + off * STRIDE_VC_SLOT + VALUE_CACHE_OFFSET
     key_in = tok * STRIDE_KEY_TOKEN

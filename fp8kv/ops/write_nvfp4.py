@@ -31,7 +31,7 @@ from ._dual import jit
 from .codec import (NVFP4_BLOCK, SCALE_HEAD, block_reciprocal, divide_by_block_scale,
                     encode_e2m1, load_raw, load_scale, max_combine, nvfp4_block_scales,
                     nvfp4_sign_mask, raw_to_fp32, scalar_scale)
-from .slots import slot_rows
+from .slots import cache_bytes, slot_rows
 
 
 # A program's tiles are [BLOCK_T, BLOCK_H, BLOCK_D / GROUP, PIECE] pieces: piece p of group g of a
@@ -98,15 +98,27 @@ def _load_pieces(x_ptr, row, in_range, STRIDE_HEAD: tl.constexpr, NUM_HEADS: tl.
 
 
 @jit
+def _magnitudes(x, EXACT: tl.constexpr):
+    """``|x|``; on the exact path NaN as 0 (the interpreter's maximum propagates NaN, the GPU's
+    max.f32 drops it: max_combine)."""
+    a = tl.abs(x)
+    if EXACT:
+        a = tl.where(x != x, 0.0, a)
+    return a
+
+
+@jit
+def _amax_over_last(a):
+    """The amax over the last axis of magnitudes ``a`` (:func:`_magnitudes`). max.f32 of two
+    NaNs is NaN: a block of NaNs alone reduces to NaN, whose amax is 0."""
+    amax = tl.reduce(a, 3, max_combine)
+    return tl.where(amax != amax, 0.0, amax)
+
+
+@jit
 def _block_amax(x0, x1, EXACT: tl.constexpr):
     """The amax of the blocks made of pieces ``x0`` and ``x1``, NaN counting as 0."""
-    a0, a1 = tl.abs(x0), tl.abs(x1)
-    if EXACT:
-        # The interpreter's maximum propagates NaN; the GPU's max.f32 drops it (max_combine).
-        a0, a1 = tl.where(x0 != x0, 0.0, a0), tl.where(x1 != x1, 0.0, a1)
-    amax = tl.reduce(tl.maximum(a0, a1), 3, max_combine)
-    # max.f32 of two NaNs is NaN: a block of NaNs alone reduces to NaN, whose amax is 0.
-    return tl.where(amax != amax, 0.0, amax)
+    return _amax_over_last(tl.maximum(_magnitudes(x0, EXACT), _magnitudes(x1, EXACT)))
 
 
 @jit
@@ -174,12 +186,7 @@ def _write_blocks(raw, g, dst, row, block_dst, block_row, keep, STRIDE_CACHE_HEA
     elements (4 bytes of codes) -- a quarter of a group's work per thread, for batches too small
     to fill the GPU, where a thread's chain of work is the latency."""
     x = raw_to_fp32(raw, EXACT)
-    a = tl.abs(x)
-    if EXACT:
-        # The interpreter's maximum propagates NaN; the GPU's max.f32 drops it (max_combine).
-        a = tl.where(x != x, 0.0, a)
-    amax = tl.reduce(a, 3, max_combine)
-    amax = tl.where(amax != amax, 0.0, amax)     # a block of NaNs alone reduces to NaN
+    amax = _amax_over_last(_magnitudes(x, EXACT))
     sf, d = nvfp4_block_scales(amax, g, EXACT)
     fast, y = block_reciprocal(d, amax, EXACT)
     codes = encode_e2m1(divide_by_block_scale(x, d[:, :, :, None], y[:, :, :, None], fast, EXACT),
@@ -224,11 +231,7 @@ def _write_nvfp4_kernel(
                                 OFFSETS_64=OFFSETS_64)
     if OFFSETS_64:
         tok = tok.to(tl.int64)
-    key_dst = key_cache_out_ptr.to(tl.pointer_type(tl.uint8))
-    if SHARED_OUT:
-        value_dst = key_dst
-    else:
-        value_dst = value_cache_out_ptr.to(tl.pointer_type(tl.uint8))
+    key_dst, value_dst = cache_bytes(key_cache_out_ptr, value_cache_out_ptr, SHARED_OUT)
     # Block scales may be typed float8_e4m3fn: stored as their bytes.
     key_blocks = key_block_out_ptr.to(tl.pointer_type(tl.uint8))
     value_blocks = value_block_out_ptr.to(tl.pointer_type(tl.uint8))
