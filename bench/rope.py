@@ -49,6 +49,7 @@ LARGE_VARIANTS = {
     "div.rn": dict(reciprocal_div=Division.DIV_RN, fp8q_reciprocal_div=Division.DIV_RN),
     "FMA division": dict(reciprocal_div=Division.FMA, fp8q_reciprocal_div=Division.FMA),
     "fp64 division": dict(reciprocal_div=Division.FP64, fp8q_reciprocal_div=Division.FP64),
+    "4,096-element query steps": dict(fp8q_q_tile=4096),
 }
 PLAN_VARIANTS = {
     "all heads, 4 warps": dict(small_kv_heads_per_program=0, small_batch_warps=4),
@@ -238,6 +239,7 @@ def table_rope(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
         if timer.cuda and tokens in small:
             for label, entries in PLAN_VARIANTS.items():
                 with planned_with(plan_rope.ROPE_SIZES, plan.CUDA, tiny_batch_tokens=0,
+                                  tiny_batch_tokens_dynamic=0, tiny_batch_tokens_fp8q=0,
                                   **entries):
                     for fused, _, kind in PROVIDERS:
                         table.add(name, tokens, f"{fused}, {label}", "graph",

@@ -26,9 +26,9 @@ TOKENS = (1, 16, 64, 256)
 # fp8kv with other small-batch plan entries: label -> WRITE_SIZES entries. "chunks": rows split
 # over programs (grid axis 1) up to the given batch size.
 PLAN_VARIANTS = {
-    "fp8kv, rows whole (FMA division)": dict(split_batch_tokens=0),
-    "fp8kv, rows whole, 16 warps, div.rn": dict(split_batch_tokens=0, small_batch_warps=16,
-                                                reciprocal_div=Division.DIV_RN),
+    "fp8kv, rows whole": dict(split_batch_tokens=0),
+    "fp8kv, rows whole, 8 warps, FMA division (the previous plan)": dict(
+        split_batch_tokens=0, decode_batch_elems=0, reciprocal_div=Division.FMA),
     "fp8kv, 128-column chunks up to 256 tokens": dict(split_batch_tokens=256),
     "fp8kv, 128-column chunks, fp64 division": dict(split_division=Division.FP64),
 }

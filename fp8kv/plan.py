@@ -21,13 +21,16 @@ INTERPRET, CUDA = "interpret", "cuda"
 # Elements per program (per K or V) and warps, per backend. The interpreter runs one program at a
 # time at ~2 ms each, so it gets big tiles. On the H200 (bench/NOTES.md) 1024-element tiles win at
 # every size; large batches want 2 warps (one 16-byte load of K and one of V per thread, many
-# programs per SM), small ones 8 warps (more memory requests in flight, shorter dependency chains
-# per thread): batches of up to `small_batch_elems` row elements use `small_batch_warps`.
+# programs per SM), small ones more (more memory requests in flight, shorter dependency chains
+# per thread): batches of up to `small_batch_elems` row elements use `small_batch_warps`, and
+# static-scale ones of up to `decode_batch_elems` `decode_batch_warps` (graph replay, 8 x 128
+# rows: 1,024 tokens 4.23 us with 8 warps vs 4.84 with 16; 256 tokens 2.78 with 16 vs 2.84 with
+# 8 warps and FMA).
 # reciprocal_div (a fp8kv.modes.Division): how small batches divide by a per-tensor scale --
-# FMA: one fp32 reciprocal and two FMA corrections per element (codec.divide_by_scalar); FP64:
-# one fp64 reciprocal and an fp64 product per element (codec.divide_fp64); both exact and
-# shorter per thread than div.rn (16 tokens: 2.39 vs 2.50 us); large batches keep div.rn,
-# faster there (97.8 vs 100.0 us).
+# DIV_RN: div.rn per element; FMA: one fp32 reciprocal and two FMA corrections per element
+# (codec.divide_by_scalar); FP64: one fp64 reciprocal and an fp64 product per element
+# (codec.divide_fp64); all exact. With 16 / 8 warps div.rn measured fastest (1,024 tokens: 4.23
+# vs 4.44 us with FMA); large batches keep div.rn too (97.8 vs 100.0 us).
 # loads_first_elems: per-token-head writes load both sides' tiles before the first amax when a
 # tile has at most this many elements (H200, 65,536 tokens, 8 x 128: 107.4 vs 109.6 us); larger
 # tiles (8 x 256: 234 vs 211 us, register pressure) and per-token scales (8 x 128: 112 vs 107 us)
@@ -39,11 +42,13 @@ INTERPRET, CUDA = "interpret", "cuda"
 # never split.
 WRITE_SIZES = {
     CUDA: dict(tile=1024, max_block_hd=1024, num_warps=2, small_batch_warps=8,
-               small_batch_elems=1 << 20, reciprocal_div=Division.FMA, loads_first_elems=1024,
+               small_batch_elems=1 << 20, decode_batch_warps=16, decode_batch_elems=1 << 18,
+               reciprocal_div=Division.DIV_RN, loads_first_elems=1024,
                split_batch_tokens=16, split_chunk=128, split_warps=4,
                split_division=Division.DIV_RN),
     INTERPRET: dict(tile=1 << 16, max_block_hd=1 << 16, num_warps=1, small_batch_warps=1,
-                    small_batch_elems=0, reciprocal_div=Division.DIV_RN,
+                    small_batch_elems=0, decode_batch_warps=1, decode_batch_elems=0,
+                    reciprocal_div=Division.DIV_RN,
                     loads_first_elems=1 << 16, split_batch_tokens=0, split_chunk=1 << 16,
                     split_warps=1, split_division=Division.DIV_RN),
 }
@@ -225,7 +230,8 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
     # Masked lanes of the last chunk reach column row_programs * row_chunk.
     constexprs["OFFSETS_64"] = offsets_64(args, grid[0] * block_t, block_h, block_d,
                                           max(block_hd, row_programs * row_chunk))
-    num_warps = (sizes["split_warps"] if split else
+    decode = not dynamic and args.num_tokens * row <= sizes["decode_batch_elems"]
+    num_warps = (sizes["split_warps"] if split else sizes["decode_batch_warps"] if decode else
                  sizes["small_batch_warps"] if small else sizes["num_warps"])
     return LaunchPlan(grid, num_warps, scalars, constexprs)
 

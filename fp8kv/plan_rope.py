@@ -17,40 +17,50 @@ from .plan import CUDA, INT32_REACH, INTERPRET, LaunchPlan, _shared
 from .validate_rope import RopeWriteArgs
 
 # Per backend. Batches of up to `small_batch_tokens` tokens take the `small_*` entries, and of up
-# to `tiny_batch_tokens` (`tiny_batch_tokens_dynamic` with dynamic K/V scales) the `tiny_*` ones
-# (a decode step's few tokens: spread over more SMs).
+# to `tiny_batch_tokens` (`tiny_batch_tokens_dynamic` with dynamic K/V scales, else
+# `tiny_batch_tokens_fp8q` with an FP8 query) the `tiny_*` ones (a decode step's few tokens:
+# spread over more SMs).
 # * block_t: tokens per program. The interpreter fits it to the batch, up to `tile` elements of
 #   query per program (it runs one program at a time, ~ms each).
 # * kv_heads_per_program: kv heads (with their query heads) per program; 0 means all of them (one
 #   program per token block loads cos/sin once for every head). Fewer heads give a token several
 #   programs: more loads in flight for a tiny batch, cos/sin read once per program. Per-token
 #   dynamic scales need every kv head of a token in one program (their amax): they always take 0.
-# * q_tile: query elements per step of the program's loop over its query heads (registers).
+# * q_tile: query elements per step of the program's loop over its query heads (registers);
+#   fp8q_q_tile with an FP8 query (its fp64 division holds twice the registers per element).
 # * v_tile: value elements per step of the static-scale V loop (as write_kv's tile).
 # * num_warps; reciprocal_div / fp8q_reciprocal_div (with an FP8 query, whose 4x more
 #   divisions make the per-element cost count): how a batch divides by a per-tensor scale (a
 #   fp8kv.modes.Division, exact either way: fp8kv.ops.codec.divide), as write_kv does.
-# Measured on the H200 (bench/NOTES.md): up to 64 tokens (16 with dynamic scales), 2 kv heads
-# per program with 4 warps and div.rn; up to 256, all heads with 4 warps and the FMA division;
-# an FP8 query at every size: the fp64 division (65,536 tokens: 392 vs 477 us with div.rn).
+# Measured on the H200 (bench/NOTES.md): up to 64 tokens (16 with dynamic scales, 256 with an
+# FP8 query: 3.75 vs 4.12 us at 256), 2 kv heads per program with 4 warps and div.rn; up to 256,
+# all heads with 4 warps and the FMA division; an FP8 query at every size: the fp64 division
+# (65,536 tokens: 392 vs 477 us with div.rn) in 1,024-element query steps (65,536 tokens: 357
+# vs 397 us with 4,096; a bf16 query keeps 4,096: 372 vs 391 us).
 ROPE_SIZES = {
-    CUDA: dict(block_t=1, kv_heads_per_program=0, q_tile=4096, v_tile=1024, num_warps=4,
+    CUDA: dict(block_t=1, kv_heads_per_program=0, q_tile=4096, fp8q_q_tile=1024, v_tile=1024,
+               num_warps=4,
                reciprocal_div=Division.DIV_RN, fp8q_reciprocal_div=Division.FP64,
                small_batch_tokens=256, small_block_t=1, small_kv_heads_per_program=0,
-               small_q_tile=4096, small_batch_warps=4, small_reciprocal_div=Division.FMA,
+               small_q_tile=4096, small_fp8q_q_tile=4096, small_batch_warps=4,
+               small_reciprocal_div=Division.FMA,
                small_fp8q_reciprocal_div=Division.FP64,
-               tiny_batch_tokens=64, tiny_batch_tokens_dynamic=16, tiny_block_t=1,
-               tiny_kv_heads_per_program=2, tiny_q_tile=4096, tiny_batch_warps=4,
+               tiny_batch_tokens=64, tiny_batch_tokens_dynamic=16, tiny_batch_tokens_fp8q=256,
+               tiny_block_t=1, tiny_kv_heads_per_program=2, tiny_q_tile=4096,
+               tiny_fp8q_q_tile=4096, tiny_batch_warps=4,
                tiny_reciprocal_div=Division.DIV_RN, tiny_fp8q_reciprocal_div=Division.FP64),
-    INTERPRET: dict(block_t=0, kv_heads_per_program=0, q_tile=1 << 16, v_tile=1 << 16,
+    INTERPRET: dict(block_t=0, kv_heads_per_program=0, q_tile=1 << 16, fp8q_q_tile=1 << 16,
+                    v_tile=1 << 16,
                     num_warps=1, reciprocal_div=Division.DIV_RN,
                     fp8q_reciprocal_div=Division.DIV_RN, small_batch_tokens=0,
                     small_block_t=0,
-                    small_kv_heads_per_program=0, small_q_tile=1 << 16, small_batch_warps=1,
+                    small_kv_heads_per_program=0, small_q_tile=1 << 16,
+                    small_fp8q_q_tile=1 << 16, small_batch_warps=1,
                     small_reciprocal_div=Division.DIV_RN,
                     small_fp8q_reciprocal_div=Division.DIV_RN, tiny_batch_tokens=0,
-                    tiny_batch_tokens_dynamic=0, tiny_block_t=0,
-                    tiny_kv_heads_per_program=0, tiny_q_tile=1 << 16, tiny_batch_warps=1,
+                    tiny_batch_tokens_dynamic=0, tiny_batch_tokens_fp8q=0, tiny_block_t=0,
+                    tiny_kv_heads_per_program=0, tiny_q_tile=1 << 16,
+                    tiny_fp8q_q_tile=1 << 16, tiny_batch_warps=1,
                     tiny_reciprocal_div=Division.DIV_RN,
                     tiny_fp8q_reciprocal_div=Division.DIV_RN, tile=1 << 16),
 }
@@ -105,7 +115,8 @@ def plan_rope_write(args: RopeWriteArgs, backend: str, exact: bool | None = None
     group = q_heads // num_heads
     rotary = args.rotary_dim
     dynamic = w.key_scale.is_dynamic or w.value_scale.is_dynamic
-    tiny = sizes["tiny_batch_tokens_dynamic" if dynamic else "tiny_batch_tokens"]
+    fp8q = "fp8q_" if args.query_format is not None else ""
+    tiny = sizes["tiny_batch_tokens" + ("_dynamic" if dynamic else "_fp8q" if fp8q else "")]
     prefix = ("tiny_" if args.num_tokens <= tiny else
               "small_" if args.num_tokens <= sizes["small_batch_tokens"] else "")
     per_token = ScaleKind.TOKEN in (w.key_scale.dynamic, w.value_scale.dynamic)
@@ -118,7 +129,8 @@ def plan_rope_write(args: RopeWriteArgs, backend: str, exact: bool | None = None
                                                                         * block_d)))
     else:
         block_t = sizes[prefix + "block_t"]
-    block_hq = min(_pow2(q_per_program), max(1, sizes[prefix + "q_tile"] // (block_t * block_d)))
+    block_hq = min(_pow2(q_per_program),
+                   max(1, sizes[prefix + fp8q + "q_tile"] // (block_t * block_d)))
     block_vd = min(_pow2(kv_heads * head_dim), sizes["v_tile"])
     q, qo, key, value = args.query, args.query_out, w.key, w.value
     ko = args.key_out if args.key_out is not None else key
@@ -143,8 +155,7 @@ def plan_rope_write(args: RopeWriteArgs, backend: str, exact: bool | None = None
         BLOCK_PASS=_pow2(head_dim - rotary) if head_dim > rotary else 0, BLOCK_VD=block_vd,
         VALUE_PACKED=value.strides[1] == head_dim or num_heads == 1,
         CACHE_PACKED=kc.packed_rows and vc.packed_rows,
-        RECIPROCAL_DIV=int(sizes[prefix + ("fp8q_" if q_fmt is not None else "")
-                                 + "reciprocal_div"]),
+        RECIPROCAL_DIV=int(sizes[prefix + fp8q + "reciprocal_div"]),
         SHARED_OUT=w.combined)
     grid = (triton.cdiv(args.num_tokens, block_t), num_heads // kv_heads)
     constexprs["OFFSETS_64"] = rope_offsets_64(args, grid[0] * block_t,

@@ -550,20 +550,27 @@ def test_gpu_rows_past_2_31_elements():
         assert bool((cache == 0xAB).all())
 
 
+# The tiny-batch tier is off in the first three (the GPU would plan every test case as tiny).
+NO_TINY = dict(tiny_batch_tokens=0, tiny_batch_tokens_dynamic=0, tiny_batch_tokens_fp8q=0)
+
+
 @pytest.mark.parametrize("entries", [
-    dict(kv_heads_per_program=1, small_kv_heads_per_program=1, q_tile=64, small_q_tile=64,
-         v_tile=64),
-    dict(kv_heads_per_program=2, small_kv_heads_per_program=2, tile=2048),
+    dict(NO_TINY, kv_heads_per_program=1, small_kv_heads_per_program=1, q_tile=64,
+         small_q_tile=64, fp8q_q_tile=64, small_fp8q_q_tile=64, v_tile=64),
+    dict(NO_TINY, kv_heads_per_program=2, small_kv_heads_per_program=2, tile=2048),
+    dict(NO_TINY, small_batch_tokens=0),
     dict(tiny_batch_tokens=1 << 30, tiny_batch_tokens_dynamic=1 << 30,
-         tiny_kv_heads_per_program=1, tiny_batch_warps=4, tiny_reciprocal_div=Division.FP64),
+         tiny_batch_tokens_fp8q=1 << 30, tiny_kv_heads_per_program=1, tiny_batch_warps=4,
+         tiny_reciprocal_div=Division.FP64),
 ], ids=["1-kv-head-per-program-small-tiles", "2-kv-heads-per-program-2048-element-tiles",
-        "tiny-tier-1-kv-head-fp64-division"])
+        "large-batch-tier", "tiny-tier-1-kv-head-fp64-division"])
 @pytest.mark.parametrize("case", [ROPE_CASES[i] for i in (0, 3, 5, 6, 9, 10)],
                          ids=lambda c: c.id)
 def test_plan_variants_give_the_same_bytes(case, entries, device, monkeypatch):
     """Other size-table entries (as the GPU bench tries them): kv-head groups over several
     programs, several query steps and value chunks per program, several programs of tokens, the
-    tiny-batch tier, the fp64 division -- the same bytes (interpreter and GPU)."""
+    large-batch and tiny-batch tiers, the fp64 division -- the same bytes (interpreter and
+    GPU)."""
     from fp8kv.plan import CUDA, INTERPRET
     from fp8kv.plan_rope import ROPE_SIZES
 

@@ -131,9 +131,15 @@ def test_write_kernel_compiles_for_sm90(case, exact):
             assert "div.rn.f64" in ptx and "mul.rn.f64" in ptx
     if (case.dtype == "bfloat16" and case.layout == "NHD" and case.head_dim % 64 == 0
             and not exact and plan.grid[1] == 1):
-        # vector loads of whole K/V rows (8 bytes for small batches' 8-warp programs, else 16;
-        # split rows: test_split_rows_compile_for_sm90)
-        assert any(op.startswith("ld.global.v") for op in found), found
+        # Each thread loads its consecutive K/V elements of a row at once: 16 bytes for large
+        # batches' programs, 8 for small batches' 8 warps, 4 for a decode batch's 16 warps
+        # (split rows: test_split_rows_compile_for_sm90).
+        per_thread = (plan.constexprs["BLOCK_T"] * plan.constexprs["BLOCK_HD"]
+                      // (32 * plan.num_warps))
+        if per_thread >= 4:
+            assert any(op.startswith("ld.global.v") for op in found), found
+        else:
+            assert f"ld.global.b{16 * per_thread}" in found, found
 
 
 @pytest.mark.parametrize("division", list(Division), ids=lambda d: d.name.lower())
