@@ -18,6 +18,12 @@
 # (2.13.0 a CPU build; 2.14.1 a CUDA build with its CUDA wheels); any other torch request (and any
 # torch on 3.12) pulls a multi-GB CUDA build from the index. torch 2.11, the extra's lower bound,
 # is what the GPU suite runs (scripts/gpu.sh).
+# .ci/run sets up every leg at once, and sets two variables for that (both optional):
+#   CI_LEG_LOCK=FILE     the editable install of fp8kv, which writes fp8kv.egg-info into this
+#                        checkout, takes an exclusive lock on FILE: one leg at a time.
+#   CI_LEG_NO_COMPILE=1  pip does not byte-compile what it installs (about half of the setup's
+#                        time); Python compiles what is imported instead, into the venv, where it
+#                        may write bytecode (.ci/run clears PYTHONDONTWRITEBYTECODE).
 # The caller's shell options are restored at the end; a failing step exits (or fails) the caller.
 _ci_leg_opts=$(set +o)
 # A command substitution runs without errexit, so $(set +o) never records it: from $- instead.
@@ -53,9 +59,19 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-python -m pip install -q --upgrade pip
-python -m pip install -q "${PINS[@]}"
-python -m pip install -q -e ".[test,bench]"
+_ci_pip=(python -m pip install -q)
+[ "${CI_LEG_NO_COMPILE:-}" = 1 ] && _ci_pip+=(--no-compile)
+"${_ci_pip[@]}" --upgrade pip
+"${_ci_pip[@]}" "${PINS[@]}"
+if [ -n "${CI_LEG_LOCK:-}" ]; then
+    # The lock is released when this process ends, however it ends.
+    python -c 'import fcntl, subprocess, sys
+with open(sys.argv[1], "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    sys.exit(subprocess.call(sys.argv[2:]))' "$CI_LEG_LOCK" "${_ci_pip[@]}" -e ".[test,bench]"
+else
+    "${_ci_pip[@]}" -e ".[test,bench]"
+fi
 
 # What the leg must have, checked rather than assumed (a reused venv may hold anything).
 python - "$LEG" "$PY_VERSION" "${PINS[@]}" <<'PY'
@@ -95,4 +111,4 @@ case "$LEG" in
         LEG_ARGS+=(--doctest-ignore-import-errors) ;;
 esac
 eval "$_ci_leg_opts"
-unset _ci_leg_opts
+unset _ci_leg_opts _ci_pip

@@ -1,7 +1,8 @@
 """The test command's scripts on a machine without an interpreter a leg needs: one line that says
 which leg needs what and how to provide it, a clean non-zero status for that leg, the other legs
 still run, and the summary lists them all. Nothing here creates a virtual environment: the legs
-stop before that (no interpreter, or an unknown leg)."""
+stop before that (no interpreter, or an unknown leg), or find a stand-in venv whose ``python``
+records what it is asked to do (pip, the version check, pytest) instead of doing it."""
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ def _bare_path(tmp_path: Path) -> str:
     (nor pyenv): no leg's interpreter can be found on it."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("bash", "dirname"):
+    for tool in ("bash", "dirname", "mktemp", "rm", "cat", "grep", "sleep"):
         (bin_dir / tool).symlink_to(shutil.which(tool))
     return str(bin_dir)
 
@@ -75,8 +76,9 @@ def test_missing_interpreter_fails_its_leg_in_one_line(tmp_path):
         "set PYTHON312=/path/to/python3.12",
         "ci_leg.sh: unknown leg 'nope' (oldest, newest, torch214, jax)"], got.stderr
     summary = got.stdout.split("=== summary\n")[1].splitlines()
-    assert [line.split()[:4] for line in summary] == [["jax", "FAILED", "(exit", "3)"],
-                                                       ["nope", "FAILED", "(exit", "2)"]], summary
+    assert [line.split()[:4] for line in summary[:2]] == [["jax", "FAILED", "(exit", "3)"],
+                                                           ["nope", "FAILED", "(exit", "2)"]], summary
+    assert summary[2].startswith("total: ") and len(summary) == 3, summary
     assert not venvs.exists()   # the failing leg stopped before making a venv
 
 
@@ -87,3 +89,97 @@ def test_test_sh_runs_ci_run(tmp_path):
                          text=True, timeout=60)
     assert got.returncode == 1
     assert "=== summary" in got.stdout and "nope     FAILED (exit 2)" in got.stdout, got
+
+
+# A stand-in for a leg's venv: its ``python`` (a bash script) logs every call to calls.log, makes
+# its pip installs wait until the other stand-in legs have started theirs (so that setups one
+# after another would time out), and fails where told to (FAIL_PIP: the pins' install; PYTEST_RC:
+# the test command's status). ``python -c`` (ci_leg.sh's lock around the editable install) runs
+# the real interpreter.
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+here=$(cd "$(dirname "$0")/.." && pwd)
+echo "$*" >> "$here/calls.log"
+case "$1 $2" in
+    "-m pip")
+        : > "$here/pip-started"
+        for other in $OTHERS; do
+            n=0
+            until [ -e "$other/pip-started" ]; do
+                n=$((n + 1)); [ $n -gt 300 ] && { echo "$other never started" >&2; exit 9; }
+                sleep 0.1
+            done
+        done
+        if [ -n "${FAIL_PIP:-}" ] && [[ "$*" == *"=="* ]]; then
+            echo "ERROR: No matching distribution found for $FAIL_PIP" >&2; exit 1
+        fi ;;
+    "-m pytest") echo "pytest ran in ${here##*/}"; exit "${PYTEST_RC:-0}" ;;
+    "- "*) cat > /dev/null; echo "[$2] Python $3 (stand-in)" ;;
+    "-c "*) exec REAL_PYTHON "$@" ;;
+    *) echo "unexpected: $*" >&2; exit 8 ;;
+esac
+"""
+
+
+def _stand_in_venvs(tmp_path: Path, legs: dict) -> Path:
+    """legs: leg -> extra environment of its python; returns the CI_VENVS folder."""
+    venvs = tmp_path / "venvs"
+    dirs = {leg: venvs / f".venv-{leg}" for leg in legs}
+    for leg, extra in legs.items():
+        bin_dir = dirs[leg] / "bin"
+        bin_dir.mkdir(parents=True)
+        python = bin_dir / "python"
+        python.write_text(FAKE_PYTHON.replace("REAL_PYTHON", sys.executable))
+        python.chmod(0o755)
+        others = " ".join(str(d) for other, d in dirs.items() if other != leg)
+        exports = "".join(f"export {k}={v}\n" for k, v in extra.items())
+        (bin_dir / "activate").write_text(
+            f"export PATH={bin_dir}:$PATH VIRTUAL_ENV={dirs[leg]} OTHERS='{others}'\n{exports}")
+    return venvs
+
+
+def _ci_run(tmp_path: Path, legs: str, venvs: Path, *args: str) -> subprocess.CompletedProcess:
+    env = _env(tmp_path, CI_LEGS=legs, CI_VENVS=str(venvs), TMPDIR=str(tmp_path))
+    return subprocess.run([BASH, ".ci/run", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _summary(got) -> list:
+    return [line.split()[:4] for line in got.stdout.split("=== summary\n")[1].splitlines()[:-1]]
+
+
+def test_setups_run_at_once_then_each_leg_runs_the_readme_command(tmp_path):
+    venvs = _stand_in_venvs(tmp_path, {"newest": {}, "oldest": {}})
+    got = _ci_run(tmp_path, "newest oldest", venvs, "-k", "some_test")
+    assert got.returncode == 0, got
+    assert got.stdout.index("pytest ran in .venv-newest") < got.stdout.index(
+        "pytest ran in .venv-oldest"), got.stdout
+    assert "[newest] Python 3.11 (stand-in)" in got.stdout and "FAILED" not in got.stdout
+    assert _summary(got) == [["newest", "passed", "(exit", "0)"],
+                             ["oldest", "passed", "(exit", "0)"]], got.stdout
+    readme = "-m pytest tests fp8kv_torch fp8kv_jax --doctest-modules -q -n auto"
+    for leg, leg_args in (("newest", " --deselect tests/test_jax.py --deselect fp8kv_jax"),
+                          ("oldest", "")):
+        calls = (venvs / f".venv-{leg}" / "calls.log").read_text().splitlines()
+        pip = [c for c in calls if c.startswith("-m pip install")]
+        assert len(pip) == 3 and all("--no-compile" in c for c in pip), calls
+        assert any(c.endswith("/editable.lock python -m pip install -q --no-compile -e "
+                              ".[test,bench]") for c in calls), calls   # the locked install
+        assert calls[-1] == readme + leg_args + " -k some_test", calls
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "venvs"]   # work folder gone
+
+
+def test_a_failed_setup_fails_its_leg_with_its_log_and_the_others_run(tmp_path):
+    venvs = _stand_in_venvs(tmp_path, {"oldest": {"FAIL_PIP": "torch==2.13.0"},
+                                       "newest": {"PYTEST_RC": "5"}, "torch214": {}})
+    got = _ci_run(tmp_path, "oldest newest nope torch214", venvs)
+    assert got.returncode == 1, got
+    assert "leg oldest: setup failed (exit 1); its log:" in got.stderr
+    assert "ERROR: No matching distribution found for torch==2.13.0" in got.stderr
+    assert "ci_leg.sh: unknown leg 'nope' (oldest, newest, torch214, jax)" in got.stderr
+    assert "leg newest: pytest collected no tests" in got.stderr
+    assert "pytest ran in .venv-oldest" not in got.stdout
+    assert "pytest ran in .venv-newest" in got.stdout and "pytest ran in .venv-torch214" in got.stdout
+    assert _summary(got) == [["oldest", "FAILED", "(exit", "1)"],
+                             ["newest", "FAILED", "(exit", "5)"],
+                             ["nope", "FAILED", "(exit", "2)"],
+                             ["torch214", "passed", "(exit", "0)"]], got.stdout
