@@ -23,9 +23,10 @@ for the outputs. A combined ``[num_pages, 2, ...]`` cache and output work as in
 import triton.language as tl
 
 from ._dual import jit
-from .codec import (FMT_E4M3, NVFP4_BLOCK, OUT_FLOAT32, OUT_FLOAT8_E4M3FN, SCALE_HEAD, SCALE_NONE,
-                    decode, divide_by_out_scale, encode_bytes, fp32_to_output_bits, load_scale,
+from .codec import (FMT_E4M3, NVFP4_BLOCK, OUT_FLOAT8_E4M3FN, SCALE_HEAD, SCALE_NONE, decode,
+                    divide_by_out_scale, encode_bytes, fp32_to_output_bits, load_scale,
                     nvfp4_values, scalar_reciprocal, scalar_scale)
+from .table import output_bits, renumber, table_entry
 
 
 @jit
@@ -96,31 +97,15 @@ def _dequantize_nvfp4_kernel(
     EXACT: tl.constexpr,
 ):
     CHUNKS: tl.constexpr = (PAGE_SIZE * NUM_HEADS + ROWS - 1) // ROWS
-    pid = tl.program_id(0)
-    entry = (pid // CHUNKS).to(tl.int64)
-    chunk = pid % CHUNKS
-    b = entry // pages_per_seq
-    page = tl.load(table_ptr + b * stride_table_seq
-                   + (entry - b * pages_per_seq) * stride_table_page).to(tl.int64)
-    valid = (page >= 0) & (page < num_pages)
-    if HAS_NULL_PAGE:
-        valid = valid & (page != null_page)
-    page = tl.where(valid, page, 0)
+    entry, chunk, page, valid = table_entry(
+        table_ptr, pages_per_seq, stride_table_seq, stride_table_page, num_pages, null_page,
+        CHUNKS=CHUNKS, HAS_NULL_PAGE=HAS_NULL_PAGE)
     # The out scale and its reciprocal first: their round trip overlaps the rows'.
     o_s = scalar_scale(out_scale_ptr, out_scale_value, OUT_SCALE)
     o_y = scalar_reciprocal(o_s, OUT_SCALE, EXACT, RECIPROCAL_DIV)
 
-    if OUT_KIND == OUT_FLOAT8_E4M3FN:
-        bits_ty: tl.constexpr = tl.uint8
-    elif OUT_KIND == OUT_FLOAT32:
-        bits_ty: tl.constexpr = tl.uint32
-    else:
-        bits_ty: tl.constexpr = tl.uint16
-    key_dst = key_out_ptr.to(tl.pointer_type(bits_ty))
-    if SHARED_OUT:
-        value_dst = key_dst
-    else:
-        value_dst = value_out_ptr.to(tl.pointer_type(bits_ty))
+    key_dst, value_dst = output_bits(key_out_ptr, value_out_ptr, OUT_KIND=OUT_KIND,
+                                     SHARED_OUT=SHARED_OUT)
     r = chunk * ROWS + tl.arange(0, ROWS)
     r_mask = r < PAGE_SIZE * NUM_HEADS
     if HND:
@@ -152,5 +137,4 @@ def _dequantize_nvfp4_kernel(
                      STRIDE_O_SLOT=STRIDE_VO_SLOT, STRIDE_O_HEAD=STRIDE_VO_HEAD, KIND=V_SCALE,
                      OUT_SCALE=OUT_SCALE, HEAD_DIM=HEAD_DIM, ROWS=ROWS, BLOCK_D=BLOCK_D,
                      OUT_KIND=OUT_KIND, RECIPROCAL_DIV=RECIPROCAL_DIV, EXACT=EXACT)
-    if chunk == 0:
-        tl.store(new_table_ptr + entry, entry.to(tl.int32))
+    renumber(new_table_ptr, entry, chunk)

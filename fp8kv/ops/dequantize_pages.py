@@ -27,7 +27,8 @@ import triton.language as tl
 
 from ._dual import jit
 from .layers import LAYER_NONE, select_layer
-from .codec import OUT_FLOAT32, SCALE_HEAD, SCALE_NONE, decode, fp32_to_output_bits, load_scale
+from .table import output_bits, renumber, table_entry
+from .codec import SCALE_HEAD, SCALE_NONE, decode, fp32_to_output_bits, load_scale
 
 
 @jit
@@ -87,26 +88,11 @@ def _dequantize_pages_kernel(
         CHUNKS: tl.constexpr = (PAGE_SIZE * NUM_HEADS + ROWS - 1) // ROWS
     else:        # flat BLOCK-element chunks of the page
         CHUNKS: tl.constexpr = (PAGE_SIZE * NUM_HEADS * HEAD_DIM + BLOCK - 1) // BLOCK
-    pid = tl.program_id(0)
-    entry = (pid // CHUNKS).to(tl.int64)
-    chunk = pid % CHUNKS
-    b = entry // pages_per_seq
-    page = tl.load(table_ptr + b * stride_table_seq
-                   + (entry - b * pages_per_seq) * stride_table_page).to(tl.int64)
-    valid = (page >= 0) & (page < num_pages)
-    if HAS_NULL_PAGE:
-        valid = valid & (page != null_page)
-    page = tl.where(valid, page, 0)
-
-    if OUT_KIND == OUT_FLOAT32:
-        bits_ty: tl.constexpr = tl.uint32
-    else:
-        bits_ty: tl.constexpr = tl.uint16
-    key_dst = key_out_ptr.to(tl.pointer_type(bits_ty))
-    if SHARED_OUT:
-        value_dst = key_dst
-    else:
-        value_dst = value_out_ptr.to(tl.pointer_type(bits_ty))
+    entry, chunk, page, valid = table_entry(
+        table_ptr, pages_per_seq, stride_table_seq, stride_table_page, num_pages, null_page,
+        CHUNKS=CHUNKS, HAS_NULL_PAGE=HAS_NULL_PAGE)
+    key_dst, value_dst = output_bits(key_out_ptr, value_out_ptr, OUT_KIND=OUT_KIND,
+                                     SHARED_OUT=SHARED_OUT)
     kc = key_cache_ptr.to(tl.pointer_type(tl.uint8)) + page * STRIDE_KC_PAGE
     vc = value_cache_ptr.to(tl.pointer_type(tl.uint8)) + (page * STRIDE_VC_PAGE
                                                           + VALUE_CACHE_OFFSET)
@@ -137,8 +123,7 @@ def _dequantize_pages_kernel(
                          BLOCK=BLOCK, FORMAT=FORMAT, K_SCALE=K_SCALE, V_SCALE=V_SCALE,
                          OUT_KIND=OUT_KIND, IN_PACKED=IN_PACKED, OUT_PACKED=OUT_PACKED,
                          EXACT=EXACT)
-    if chunk == 0:
-        tl.store(new_table_ptr + entry, entry.to(tl.int32))
+    renumber(new_table_ptr, entry, chunk)
 
 
 @jit

@@ -35,7 +35,7 @@ from ._dual import jit
 from .codec import (OUT_FLOAT32, SCALE_HEAD, SCALE_NONE, SCALE_TOKEN, divide,
                     divide_by_group_scale, dynamic_scale, encode, fp32_to_output_bits,
                     load_as_fp32, load_scale, max_combine, scalar_reciprocal, scalar_scale)
-from .slots import cache_bytes, slot_rows
+from .slots import cache_bytes, token_rows
 from .write_kv import _load_rows, _write_dynamic, store_head_scales
 
 
@@ -303,19 +303,16 @@ def _rope_write_kv_kernel(
 ):
     QPP: tl.constexpr = KV_HEADS * (NUM_Q_HEADS // NUM_HEADS)   # query heads per program
     HALF: tl.constexpr = ROTARY_DIM // 2
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h0 = tl.program_id(1) * KV_HEADS          # the program's first kv head
     q0 = tl.program_id(1) * QPP               # and first query head
-    in_range = tok < num_tokens
+    tok, in_range, slot_ok, page, off = token_rows(
+        slot_ptr, num_tokens, num_slots, BLOCK_T=BLOCK_T, PAGE_SIZE=PAGE_SIZE,
+        OFFSETS_64=OFFSETS_64)
     pos = tl.load(position_ptr + tok, mask=in_range, other=-1).to(tl.int64)
-    slot_ok, page, off = slot_rows(slot_ptr, tok, in_range, num_slots, PAGE_SIZE=PAGE_SIZE,
-                                   OFFSETS_64=OFFSETS_64)
     pos_ok = in_range & (pos >= 0) & (pos < max_position)
     keep = pos_ok & slot_ok
     pos = tl.where(pos_ok, pos, 0)
-    if OFFSETS_64:   # as _write_kv_kernel: int64 only where an array reaches past 2**31
-        tok = tok.to(tl.int64)
-    else:
+    if not OFFSETS_64:   # as the rows (token_rows): int64 only where an array reaches past 2**31
         pos = pos.to(tl.int32)
     q_in = tok * STRIDE_Q_TOKEN
     k_in = tok * STRIDE_KEY_TOKEN

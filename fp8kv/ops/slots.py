@@ -5,19 +5,25 @@ from ._dual import jit
 
 
 @jit
-def slot_rows(slot_ptr, tok, in_range, num_slots, PAGE_SIZE: tl.constexpr,
-              OFFSETS_64: tl.constexpr):
-    """``(keep, page, off)`` of the tokens ``tok`` (loaded where ``in_range``): whether each
-    token's slot is in ``[0, num_slots)`` (padding below zero and slots past the cache write
-    nothing), and its page and offset in the page -- 0 where not kept, int32 unless the plan
-    asks for int64 offsets (``OFFSETS_64``: int32 address arithmetic is a tenth of a small
-    program's instructions)."""
+def token_rows(slot_ptr, num_tokens, num_slots, BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               OFFSETS_64: tl.constexpr):
+    """``(tok, in_range, keep, page, off)`` of this program's ``BLOCK_T`` tokens (grid axis 0):
+    their indices, whether each is below ``num_tokens``, whether its slot is in
+    ``[0, num_slots)`` (padding below zero and slots past the cache write nothing), and its page
+    and offset in the page -- 0 where not kept. Indices and rows are int32 unless the plan asks
+    for int64 offsets (``OFFSETS_64``: some array reaches past 2**31 elements); int32 address
+    arithmetic saves a tenth of a small program's instructions (graph replay of a 256-token
+    dynamic-scale write 2.44 -> 2.28 us on the H200)."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = tok < num_tokens
     slot = tl.load(slot_ptr + tok, mask=in_range, other=-1).to(tl.int64)
     keep = in_range & (slot >= 0) & (slot < num_slots)
     slot = tl.where(keep, slot, 0)
-    if not OFFSETS_64:
+    if OFFSETS_64:
+        tok = tok.to(tl.int64)
+    else:
         slot = slot.to(tl.int32)
-    return keep, slot // PAGE_SIZE, slot % PAGE_SIZE
+    return tok, in_range, keep, slot // PAGE_SIZE, slot % PAGE_SIZE
 
 
 @jit

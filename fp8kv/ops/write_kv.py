@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ._dual import jit
 from .layers import LAYER_NONE, select_layer
-from .slots import cache_bytes, slot_rows
+from .slots import cache_bytes, token_rows
 from .codec import (SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, SCALE_TOKEN_HEAD,
                     SCALE_VALUE, divide_by_group_scale, divide_pair, dynamic_scale, encode,
                     load_as_fp32, load_raw, load_scale, max_combine, raw_to_fp32, scalar_scale)
@@ -153,15 +153,8 @@ def _write_kv_kernel(
             key_scale_out_ptr += layer * STRIDE_KSC_LAYER
         if STRIDE_VSC_LAYER != 0:
             value_scale_out_ptr += layer * STRIDE_VSC_LAYER
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_range = tok < num_tokens
-    # Offsets in int64 only where an array reaches past 2**31 elements (the plan's OFFSETS_64):
-    # int32 address arithmetic saves a tenth of a dynamic-scale program's instructions (graph
-    # replay of 256 tokens 2.44 -> 2.28 us on the H200).
-    keep, page, off = slot_rows(slot_ptr, tok, in_range, num_slots, PAGE_SIZE=PAGE_SIZE,
-                                OFFSETS_64=OFFSETS_64)
-    if OFFSETS_64:
-        tok = tok.to(tl.int64)
+    tok, in_range, keep, page, off = token_rows(slot_ptr, num_tokens, num_slots, BLOCK_T=BLOCK_T,
+                                                PAGE_SIZE=PAGE_SIZE, OFFSETS_64=OFFSETS_64)
     key_dst, value_dst = cache_bytes(key_cache_out_ptr, value_cache_out_ptr, SHARED_OUT)
     key_row = page * STRIDE_KC_PAGE + off * STRIDE_KC_SLOT
     value_row = page * STRIDE_VC_PAGE + off * STRIDE_VC_SLOT + VALUE_CACHE_OFFSET

@@ -31,7 +31,7 @@ from ._dual import jit
 from .codec import (NVFP4_BLOCK, SCALE_HEAD, block_reciprocal, divide_by_block_scale,
                     encode_e2m1, load_raw, load_scale, max_combine, nvfp4_block_scales,
                     nvfp4_sign_mask, raw_to_fp32, scalar_scale)
-from .slots import cache_bytes, slot_rows
+from .slots import cache_bytes, token_rows
 
 
 # A program's tiles are [BLOCK_T, BLOCK_H, BLOCK_D / GROUP, PIECE] pieces: piece p of group g of a
@@ -225,12 +225,8 @@ def _write_nvfp4_kernel(
     BLOCK_D: tl.constexpr, LOADS_FIRST: tl.constexpr, BLOCKWISE: tl.constexpr,
     SHARED_OUT: tl.constexpr, OFFSETS_64: tl.constexpr, EXACT: tl.constexpr,
 ):
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_range = tok < num_tokens
-    keep, page, off = slot_rows(slot_ptr, tok, in_range, num_slots, PAGE_SIZE=PAGE_SIZE,
-                                OFFSETS_64=OFFSETS_64)
-    if OFFSETS_64:
-        tok = tok.to(tl.int64)
+    tok, in_range, keep, page, off = token_rows(slot_ptr, num_tokens, num_slots, BLOCK_T=BLOCK_T,
+                                                PAGE_SIZE=PAGE_SIZE, OFFSETS_64=OFFSETS_64)
     key_dst, value_dst = cache_bytes(key_cache_out_ptr, value_cache_out_ptr, SHARED_OUT)
     # Block scales may be typed float8_e4m3fn: stored as their bytes.
     key_blocks = key_block_out_ptr.to(tl.pointer_type(tl.uint8))
