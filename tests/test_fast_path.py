@@ -6,9 +6,9 @@ path with identical bytes and identical errors, and say so with one FastPathWarn
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
+import textwrap
 import warnings
 
 import numpy as np
@@ -115,12 +115,21 @@ def test_fast_off_takes_the_public_path(device, monkeypatch):
 
 
 def test_the_environment_variable_turns_the_fast_path_off():
-    code = ("import fp8kv_torch._fast as f, sys; sys.stdout.write(str(f.ENABLED))")
-    for value, enabled in (("0", "False"), ("off", "False"), ("1", "True"), ("", "True")):
-        env = {**os.environ, "FP8KV_FAST": value}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                             text=True, check=True).stdout
-        assert out == enabled, (value, out)
+    """FP8KV_FAST is read when ``_fast`` is imported. One process (torch is imported once) imports
+    it with the variable unset, then executes it again (``importlib.reload``) under each value."""
+    code = textwrap.dedent("""
+        import importlib, os, sys
+        os.environ.pop("FP8KV_FAST", None)
+        import fp8kv_torch._fast as f
+        print("unset", f.ENABLED)
+        for value in sys.argv[1:]:
+            os.environ["FP8KV_FAST"] = value
+            print(repr(value), importlib.reload(f).ENABLED)
+        """)
+    want = {"0": False, "off": False, "1": True, "": True}
+    out = subprocess.run([sys.executable, "-c", code, *want], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.splitlines() == ["unset True", *(f"{v!r} {e}" for v, e in want.items())], out
 
 
 @requires_cuda
