@@ -102,8 +102,9 @@ case "$LEG" in
     newest|torch214)
         # Same JAX as the oldest leg: the jnp path and its doctests would run exactly as there,
         # so only what torch and Triton run (interpreter kernels, sm_90 compiles) runs again.
+        # The jnp path's tests: tests/test_jax.py and those marked jnp in other files.
         if [ "$JAX_PIN" = "$OLDEST_JAX" ]; then
-            LEG_ARGS+=(--deselect tests/test_jax.py --deselect fp8kv_jax)
+            LEG_ARGS+=(--deselect tests/test_jax.py --deselect fp8kv_jax -m "not jnp")
         fi ;;
     jax)
         # fp8kv_torch cannot be imported without torch: its doctest modules are skipped (reported

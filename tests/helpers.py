@@ -40,3 +40,13 @@ def bits(t) -> np.ndarray:
     t = t.detach().contiguous().cpu()
     np_bits, torch_bits = _BITS[t.element_size()]
     return t.view(getattr(torch, torch_bits)).numpy().view(np_bits)
+
+
+def jnp_where_jax_runs_on_the_cpu() -> list:
+    """``[pytest.mark.jnp]`` where JAX's default backend is the CPU, else ``[]``: a JAX call on the
+    default device runs fp8kv_jax's jnp path only there (tests/conftest.py)."""
+    try:
+        import jax
+    except ImportError:
+        return []
+    return [pytest.mark.jnp] if jax.default_backend() == "cpu" else []

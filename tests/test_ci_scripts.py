@@ -91,7 +91,8 @@ def test_test_sh_runs_ci_run(tmp_path):
     assert "=== summary" in got.stdout and "nope     FAILED (exit 2)" in got.stdout, got
 
 
-# A stand-in for a leg's venv: its ``python`` (a bash script) logs every call to calls.log, makes
+# A stand-in for a leg's venv: its ``python`` (a bash script) logs every call to calls.log (and
+# pytest's arguments, one a line, to pytest-args), makes
 # its pip installs wait until the other stand-in legs have started theirs (so that setups one
 # after another would time out), and fails where told to (FAIL_PIP: the pins' install; PYTEST_RC:
 # the test command's status). ``python -c`` (ci_leg.sh's lock around the editable install) runs
@@ -112,7 +113,8 @@ case "$1 $2" in
         if [ -n "${FAIL_PIP:-}" ] && [[ "$*" == *"=="* ]]; then
             echo "ERROR: No matching distribution found for $FAIL_PIP" >&2; exit 1
         fi ;;
-    "-m pytest") echo "pytest ran in ${here##*/}"; exit "${PYTEST_RC:-0}" ;;
+    "-m pytest") printf '%s\n' "${@:3}" > "$here/pytest-args"
+                 echo "pytest ran in ${here##*/}"; exit "${PYTEST_RC:-0}" ;;
     "- "*) cat > /dev/null; echo "[$2] Python $3 (stand-in)" ;;
     "-c "*) exec REAL_PYTHON "$@" ;;
     *) echo "unexpected: $*" >&2; exit 8 ;;
@@ -156,15 +158,18 @@ def test_setups_run_at_once_then_each_leg_runs_the_readme_command(tmp_path):
     assert "[newest] Python 3.11 (stand-in)" in got.stdout and "FAILED" not in got.stdout
     assert _summary(got) == [["newest", "passed", "(exit", "0)"],
                              ["oldest", "passed", "(exit", "0)"]], got.stdout
-    readme = "-m pytest tests fp8kv_torch fp8kv_jax --doctest-modules -q -n auto"
-    for leg, leg_args in (("newest", " --deselect tests/test_jax.py --deselect fp8kv_jax"),
-                          ("oldest", "")):
+    readme = ["tests", "fp8kv_torch", "fp8kv_jax", "--doctest-modules", "-q", "-n", "auto"]
+    for leg, leg_args in (("newest", ["--deselect", "tests/test_jax.py", "--deselect", "fp8kv_jax",
+                                      "-m", "not jnp"]),
+                          ("oldest", [])):
         calls = (venvs / f".venv-{leg}" / "calls.log").read_text().splitlines()
         pip = [c for c in calls if c.startswith("-m pip install")]
         assert len(pip) == 3 and all("--no-compile" in c for c in pip), calls
         assert any(c.endswith("/editable.lock python -m pip install -q --no-compile -e "
                               ".[test,bench]") for c in calls), calls   # the locked install
-        assert calls[-1] == readme + leg_args + " -k some_test", calls
+        assert calls[-1].startswith("-m pytest "), calls
+        pytest_args = (venvs / f".venv-{leg}" / "pytest-args").read_text().splitlines()
+        assert pytest_args == readme + leg_args + ["-k", "some_test"], pytest_args
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "venvs"]   # work folder gone
 
 
@@ -183,3 +188,27 @@ def test_a_failed_setup_fails_its_leg_with_its_log_and_the_others_run(tmp_path):
                              ["newest", "FAILED", "(exit", "5)"],
                              ["nope", "FAILED", "(exit", "2)"],
                              ["torch214", "passed", "(exit", "0)"]], got.stdout
+
+
+@pytest.mark.jnp
+def test_a_jnp_test_that_launches_a_triton_kernel_fails():
+    """The newest and torch214 legs skip the tests marked jnp (scripts/ci_leg.sh) because they
+    run no Triton kernel: tests/conftest.py fails one that does, interpreted or compiled."""
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("jax")   # tests.jax_glue
+    import numpy as np
+    import triton.language as tl
+
+    from fp8kv import ops
+    from tests.jax_glue import HostArray
+
+    @triton.jit
+    def one(x_ptr):
+        tl.store(x_ptr, 1)
+
+    x = np.zeros(1, np.int32)
+    with pytest.raises(AssertionError, match="a test marked jnp launched a Triton kernel"):
+        ops.interpreted(one)[(1,)](HostArray(x))
+    with pytest.raises(AssertionError, match="a test marked jnp launched a Triton kernel"):
+        one[(1,)](HostArray(x))
+    assert x[0] == 0

@@ -22,8 +22,9 @@ from fp8kv import reference as ref  # noqa: E402
 ON_GPU = jax.default_backend() == "gpu"
 NOT_GPU_REASON = ("needs JAX on an NVIDIA GPU (the jax-triton path); JAX's backend here is "
                   f"{jax.default_backend()}")
-PLATFORMS = ["cpu", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not ON_GPU, reason=NOT_GPU_REASON)])]
+PLATFORMS = [pytest.param("cpu", marks=pytest.mark.jnp),   # XLA:CPU arrays: the jnp path
+             pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+                 not ON_GPU, reason=NOT_GPU_REASON)])]
 JAX_CASES = [CASES[0], CASES[2], CASES[3]]
 
 

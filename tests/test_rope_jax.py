@@ -21,8 +21,9 @@ from tests.rope_cases import (ROPE_CASES, RopeCase, expected, options,  # noqa: 
 ON_GPU = jax.default_backend() == "gpu"
 NOT_GPU_REASON = "needs JAX on an NVIDIA GPU (the jax-triton path); JAX's backend here is " + \
     jax.default_backend()
-PLATFORMS = ["cpu", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not ON_GPU, reason=NOT_GPU_REASON)])]
+PLATFORMS = [pytest.param("cpu", marks=pytest.mark.jnp),   # XLA:CPU arrays: the jnp path
+             pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+                 not ON_GPU, reason=NOT_GPU_REASON)])]
 ARRAYS = ("query", "key", "value", "key_cache", "value_cache", "slots", "positions",
           "cos_sin_cache", "key_scale", "value_scale")
 

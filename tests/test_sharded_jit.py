@@ -177,6 +177,7 @@ def _run(names, count: int, **env) -> str:
     return proc.stdout
 
 
+@pytest.mark.jnp   # XLA:CPU devices: the jnp path (in its own process: out of conftest's guard)
 def test_sharded_calls_on_four_cpu_devices():
     out = _run(SCENARIOS, 4, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")

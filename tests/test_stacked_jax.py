@@ -84,12 +84,14 @@ def check_dequant(case, layer, device):
 CPU = jax.devices("cpu")[0]
 
 
+@pytest.mark.jnp
 @pytest.mark.parametrize("layer", LAYERS, ids=layer_id)
 @pytest.mark.parametrize("case", STACKED_CASES, ids=lambda c: c.id)
 def test_stacked_write_jnp(case, layer):
     check_write(case, layer, CPU)
 
 
+@pytest.mark.jnp
 @pytest.mark.parametrize("layer", LAYERS, ids=layer_id)
 @pytest.mark.parametrize("case", STACKED_CASES, ids=lambda c: c.id)
 def test_stacked_dequantize_jnp(case, layer):
@@ -190,7 +192,8 @@ def python_step(k_cache, v_cache, keys, values, slots):
 
 
 LOOPS = {"scan": scan_step, "fori_loop": fori_step, "python-loop": python_step}
-PLATFORMS = ["cpu", pytest.param("gpu", marks=[gpu, needs_gpu])]
+PLATFORMS = [pytest.param("cpu", marks=pytest.mark.jnp),   # XLA:CPU arrays: the jnp path
+             pytest.param("gpu", marks=[gpu, needs_gpu])]
 
 
 # XLA:CPU runs an fp8 array's byte view as a loop over it, and turns a one-token scatter through
