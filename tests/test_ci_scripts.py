@@ -190,6 +190,20 @@ def test_a_failed_setup_fails_its_leg_with_its_log_and_the_others_run(tmp_path):
                              ["torch214", "passed", "(exit", "0)"]], got.stdout
 
 
+def test_torch214_leaves_out_the_test_files_of_fp8kv_jax_alone(tmp_path):
+    """scripts/ci_leg.sh's header: the torch214 leg runs the torch-facing tests; the files it
+    leaves out exist (a renamed file would otherwise run there again, unnoticed)."""
+    venvs = _stand_in_venvs(tmp_path, {"torch214": {}})
+    got = _ci_run(tmp_path, "torch214", venvs)
+    assert got.returncode == 0, got
+    args = (venvs / ".venv-torch214" / "pytest-args").read_text().splitlines()
+    left_out = [a for d, a in zip(args, args[1:]) if d == "--deselect"]
+    assert left_out == ["tests/test_jax.py", "fp8kv_jax"] + [f"tests/test_{n}.py" for n in (
+        "jax_glue", "stacked_jax", "rope_jax", "nvfp4_jax", "xla_triton", "sharded_jit")], args
+    assert all((ROOT / f).is_file() for f in left_out if f.endswith(".py")), left_out
+    assert ["-m", "not jnp"] in [args[i:i + 2] for i in range(len(args))], args
+
+
 @pytest.mark.jnp
 def test_a_jnp_test_that_launches_a_triton_kernel_fails():
     """The newest and torch214 legs skip the tests marked jnp (scripts/ci_leg.sh) because they
