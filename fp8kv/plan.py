@@ -193,7 +193,8 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
     block_h, block_d = triton.next_power_of_2(kc.num_heads), triton.next_power_of_2(kc.head_dim)
     # A dynamic side takes whole rows as [BLOCK_T, BLOCK_H, BLOCK_D] tiles.
     dynamic = args.key_scale.is_dynamic or args.value_scale.is_dynamic
-    small = args.num_tokens * row <= sizes["small_batch_elems"]
+    elems = args.num_tokens * row
+    small = elems <= sizes["small_batch_elems"]
     split = (small and not dynamic and args.num_tokens <= sizes["split_batch_tokens"]
              and row > sizes["split_chunk"])
     # A split row's chunk is one tile: split_chunk rounded up to a power of two (<= max_block_hd).
@@ -230,7 +231,7 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
     # Masked lanes of the last chunk reach column row_programs * row_chunk.
     constexprs["OFFSETS_64"] = offsets_64(args, grid[0] * block_t, block_h, block_d,
                                           max(block_hd, row_programs * row_chunk))
-    decode = not dynamic and args.num_tokens * row <= sizes["decode_batch_elems"]
+    decode = not dynamic and elems <= sizes["decode_batch_elems"]
     num_warps = (sizes["split_warps"] if split else sizes["decode_batch_warps"] if decode else
                  sizes["small_batch_warps"] if small else sizes["num_warps"])
     return LaunchPlan(grid, num_warps, scalars, constexprs)
