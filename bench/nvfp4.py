@@ -34,10 +34,13 @@ SMALL_VARIANTS = {
     "small: blockwise, 8 warps": dict(small_batch_warps=8),
 }
 DEQUANT_VARIANTS = {
+    "FP8 output per element (no lookup)": dict(lookup=False),
     "FMA division": dict(reciprocal_div=Division.FMA),
     "2048 elements per program": dict(block=2048),
     "8192 elements per program": dict(block=8192),
+    "16384 elements per program": dict(block=16384),
     "8 warps": dict(num_warps=8),
+    "8192 elements, 8 warps": dict(block=8192, num_warps=8),
 }
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import triton
 
 from .arrays import ArrayInfo
+from .formats import FP8_OUTPUT_DTYPE
 from .layout import combined_halves, paged
 from .modes import OUT_KIND_OF_DTYPE, Division, LayerKind, ScaleKind, SideScale
 from .validate import DequantArgs, WriteArgs
@@ -65,7 +66,9 @@ DEQUANT_SIZES = {
 # write: ~24 instructions per element on the reciprocal path; first guesses, to be measured
 # (bench/nvfp4.py has the variants). small_blockwise: small batches load [T, H, D/16, 16] blocks
 # over two threads each (a quarter of a group's chain per thread; the amax a two-thread
-# reduction) instead of whole groups per thread.
+# reduction) instead of whole groups per thread. lookup: an FP8 output by a per-block table
+# (ops/dequantize_nvfp4.py _lookup_side; 16 x 512 pages 156 / 207 -> 116 / 117 us at out_scale
+# 2**-2 / 0.37 on the H200), where the arrays allow its 4-byte words.
 NVFP4_WRITE_SIZES = {
     # Measured on the H200 (bench/nvfp4.py variants): 1,024-element tiles with one warp beat
     # 2,048 with two at 65,536 tokens (129 vs 136 us); four warps beat one at 1-256 tokens, and
@@ -77,8 +80,8 @@ NVFP4_WRITE_SIZES = {
                     small_batch_elems=0, loads_first=True, small_blockwise=False),
 }
 NVFP4_DEQUANT_SIZES = {
-    CUDA: dict(block=4096, num_warps=4, reciprocal_div=Division.FP64),
-    INTERPRET: dict(block=1 << 16, num_warps=1, reciprocal_div=Division.DIV_RN),
+    CUDA: dict(block=4096, num_warps=4, reciprocal_div=Division.FP64, lookup=True),
+    INTERPRET: dict(block=1 << 16, num_warps=1, reciprocal_div=Division.DIV_RN, lookup=True),
 }
 
 
@@ -239,16 +242,17 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
 
 @functools.lru_cache(maxsize=4096)
 def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo | None,
-                    backend: str, exact: bool | None = None) -> LaunchPlan:
+                    backend: str, exact: bool | None = None, aligned: bool = True) -> LaunchPlan:
     """Plan ``_dequantize_pages_kernel`` (``_dequantize_nvfp4_kernel`` for an nvfp4 cache). A
     combined call (``args.combined``) has one ``[N, 2, ...]`` output, ``key_out`` (``value_out``
-    None)."""
+    None). ``aligned``: every array starts at a multiple of 16 bytes (XLA's buffers do; torch
+    says per call), which an nvfp4 cache's FP8 lookup needs for its words."""
     if args.combined:
         ko, vo = combined_halves(key_out, args.layout)
     else:
         ko, vo = paged(key_out, args.layout), paged(value_out, args.layout)
     if args.fmt.block_size:
-        return _plan_dequantize_nvfp4(args, ko, vo, backend, exact)
+        return _plan_dequantize_nvfp4(args, ko, vo, backend, exact, aligned)
     sizes = DEQUANT_SIZES[backend]
     kc, vc = args.key_cache, args.value_cache
     page_elems = kc.page_size * kc.num_heads * kc.head_dim
@@ -331,8 +335,8 @@ def _plan_write_nvfp4(args: WriteArgs, backend: str, exact: bool | None) -> Laun
     return LaunchPlan(grid, num_warps, scalars, constexprs, kernel="_write_nvfp4_kernel")
 
 
-def _plan_dequantize_nvfp4(args: DequantArgs, ko, vo, backend: str,
-                           exact: bool | None) -> LaunchPlan:
+def _plan_dequantize_nvfp4(args: DequantArgs, ko, vo, backend: str, exact: bool | None,
+                           aligned: bool) -> LaunchPlan:
     """Plan ``_dequantize_nvfp4_kernel``: ``[ROWS, BLOCK_D]`` tiles of whole head rows."""
     sizes = NVFP4_DEQUANT_SIZES[backend]
     kc, vc = args.key_cache, args.value_cache
@@ -348,16 +352,19 @@ def _plan_dequantize_nvfp4(args: DequantArgs, ko, vo, backend: str,
         null_page=-1 if args.null_page is None else args.null_page,
         key_scale_value=float(ks.value), value_scale_value=float(vs.value),
         out_scale_value=float(os.value))
+    codes_and_out = dict(**_strides("KC", kc), **_strides("VC", vc), VALUE_CACHE_OFFSET=vc.offset,
+                         **_strides("KO", ko), **_strides("VO", vo), VALUE_OUT_OFFSET=vo.offset)
+    # FP8 output by lookup: codes and output bytes move as int32 words (ops/dequantize_nvfp4.py).
+    lookup = (sizes["lookup"] and args.out_dtype == FP8_OUTPUT_DTYPE and aligned
+              and all(n % 4 == 0 for n in codes_and_out.values()))
     constexprs = dict(
-        NUM_HEADS=kc.num_heads, HEAD_DIM=args.head_dim, PAGE_SIZE=kc.page_size,
-        **_strides("KC", kc), **_strides("VC", vc), VALUE_CACHE_OFFSET=vc.offset,
+        NUM_HEADS=kc.num_heads, HEAD_DIM=args.head_dim, PAGE_SIZE=kc.page_size, **codes_and_out,
         **_strides("KB", ks.stored), **_strides("VB", vs.stored),
-        **_strides("KO", ko), **_strides("VO", vo), VALUE_OUT_OFFSET=vo.offset,
         K_SCALE=ks.kind.id, V_SCALE=vs.kind.id, OUT_SCALE=os.kind.id,
         HND=args.layout == "HND" and args.cache_rank == 4, ROWS=rows, BLOCK_D=block_d,
         OUT_KIND=int(OUT_KIND_OF_DTYPE[args.out_dtype]), HAS_NULL_PAGE=args.null_page is not None,
         SHARED_OUT=args.combined, RECIPROCAL_DIV=int(sizes["reciprocal_div"]),
-        EXACT=backend == INTERPRET if exact is None else exact)
+        LOOKUP=lookup, EXACT=backend == INTERPRET if exact is None else exact)
     chunks = triton.cdiv(kc.page_size * kc.num_heads, rows)
     grid = (args.batch * args.pages_per_seq * chunks,)
     return LaunchPlan(grid, sizes["num_warps"], scalars, constexprs,

@@ -115,7 +115,7 @@ class LastCall:
             return None
         guard = _tensor_guard()
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if guard is None or not tensors or _misaligned(tensors):
+        if guard is None or not tensors or misaligned(tensors):
             return None
         first, distinct, aliases = {}, [], []
         for i, a in enumerate(args):
@@ -166,7 +166,8 @@ class LastCall:
         return tuple(map(torch.Tensor.data_ptr, outs)) if self.pointers else outs
 
 
-def _misaligned(tensors) -> bool:
+def misaligned(tensors) -> bool:
+    """Whether any of ``tensors`` starts off a multiple of 16 bytes."""
     return bool(functools.reduce(operator.or_, map(torch.Tensor.data_ptr, tensors), 0) & 15)
 
 

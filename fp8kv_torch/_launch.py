@@ -412,8 +412,11 @@ def _dequantize(op: str, args: tuple, outs, dtype, layout, fp8_format, null_page
     backend = _backend(first, ARGUMENTS[op][0])
     if not launch:   # the custom op's fake: validation only (no plan, which Dynamo would trace)
         return outs
+    # The ready key holds each tensor's 16-byte alignment, so this plan serves aligned calls only.
+    tensors = [a for a in args if isinstance(a, torch.Tensor)] + list(outs)
     plan = plan_dequantize(valid, out_info.get("kv_out") or out_info["key_out"],
-                           out_info.get("value_out"), backend, exact)
+                           out_info.get("value_out"), backend, exact,
+                           aligned=not _fast.misaligned(tensors))
     if plan.empty:
         return outs
     values = args + tuple(outs)

@@ -197,6 +197,58 @@ def test_every_byte_decodes_through_the_kernel(device):
     np.testing.assert_array_equal(bits(k).reshape(-1), as_uint(np.float32(want)))
 
 
+
+# Every code byte with every block scale, under global scales (one per head) that include the
+# extremes: the FP8 output's lookup table against the per-element rule of the reference.
+EVERY_G = np.array([1.0, 0.37, -2.5, np.inf, np.nan, 0.0, 1e-30, 3e38], np.float32)
+EVERY_OUT_SCALE = [None, 0.25, 0.37, 1e-30, np.float32(0.0), np.float32(np.inf),
+                   np.float32(np.nan), np.float32(-0.5)]
+
+
+def _every_code_and_block_scale():
+    """Caches [8 pages, 16 slots, 8 heads, 64 bytes] whose 8,192 blocks hold each of the 256
+    block scales with each 8-byte run of the 256 code bytes, and a table of every page."""
+    blocks = np.arange(8 * 16 * 8 * 8)
+    codes = ((blocks[:, None] % 32) * 8 + np.arange(8)).astype(np.uint8).reshape(8, 16, 8, 64)
+    scales = (blocks // 32).astype(np.uint8).reshape(8, 16, 8, 8)
+    return codes, scales, np.arange(8, dtype=np.int32).reshape(1, 8)
+
+
+@pytest.mark.parametrize("out_scale", EVERY_OUT_SCALE,
+                         ids=lambda s: "none" if s is None else f"{type(s).__name__}{s}")
+def test_fp8_output_of_every_code_and_block_scale(out_scale, device):
+    codes, scales, table = _every_code_and_block_scale()
+    want = ref.dequantize_pages(codes, codes, table, EVERY_G, EVERY_G[::-1].copy(),
+                                key_scale_cache=scales, value_scale_cache=scales,
+                                cache_format="nvfp4", dtype="float8_e4m3fn", out_scale=out_scale)
+    got = fp8kv_torch.dequantize_pages(
+        _t(codes, device), _t(codes, device), _t(table, device), _t(EVERY_G, device),
+        _t(EVERY_G[::-1].copy(), device), key_scale_cache=_t(scales, device),
+        value_scale_cache=_t(scales, device), cache_format="nvfp4", dtype=torch.float8_e4m3fn,
+        out_scale=out_scale if out_scale is None or isinstance(out_scale, float)
+        else _t(np.array(out_scale), device))
+    assert_same(got, want)
+
+
+def test_misaligned_arrays_take_the_per_element_path(device):
+    """A cache that starts off a 4-byte boundary cannot be read as words: the plan turns the
+    lookup off for the call (its ready launch is keyed on alignment) and the bytes are the
+    same."""
+    codes, scales, table = _every_code_and_block_scale()
+    flat = torch.zeros(codes.size + 1, dtype=torch.uint8, device=device)
+    shifted = flat[1:].view(codes.shape)
+    shifted.copy_(to_torch(codes, device))
+    args = (_t(table, device), _t(EVERY_G, device), _t(EVERY_G, device))
+    kw = dict(key_scale_cache=_t(scales, device), value_scale_cache=_t(scales, device),
+              cache_format="nvfp4", dtype=torch.float8_e4m3fn, out_scale=0.37)
+    want = ref.dequantize_pages(codes, codes, table, EVERY_G, EVERY_G, key_scale_cache=scales,
+                                value_scale_cache=scales, cache_format="nvfp4",
+                                dtype="float8_e4m3fn", out_scale=0.37)
+    aligned = _t(codes, device)
+    for _ in range(2):   # first call and ready launch, both arrangements
+        assert_same(fp8kv_torch.dequantize_pages(shifted, shifted, *args, **kw), want)
+        assert_same(fp8kv_torch.dequantize_pages(aligned, aligned, *args, **kw), want)
+
 # ---------------------------------------------------------------------------------------------
 # Errors: raised before anything is written.
 

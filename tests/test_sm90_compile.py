@@ -7,6 +7,7 @@ conversion, no flush-to-zero, and 16-byte global accesses on the packed bf16 pat
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import triton
@@ -511,7 +512,8 @@ def test_nvfp4_write_kernel_compiles_for_sm90(variant, exact, combined, blockwis
 @pytest.mark.parametrize("int_divisibility", [True, False], ids=["torch-style", "jax-triton-style"])
 def test_nvfp4_default_shapes_get_16_byte_accesses(int_divisibility):
     """8 heads x 128, bf16: 16-byte loads of K/V and 16-byte stores of codes (each thread owns a
-    group of two blocks); dequantizing 16 x 512 pages: 16-byte code loads and output stores."""
+    group of two blocks); dequantizing 16 x 512 pages: 16-byte code loads and output stores (to
+    FP8 by lookup: a block's 8 bytes of codes in, 16 bytes out)."""
     args, arrays = _nvfp4_args(NVFP4_WRITE_VARIANTS[0])
     found = ptx_ops(compile_for_hopper(ops._write_nvfp4_kernel, arrays, plan_write(args, CUDA),
                                        int_divisibility))
@@ -521,7 +523,9 @@ def test_nvfp4_default_shapes_get_16_byte_accesses(int_divisibility):
                                                "float" if out == "float8_e4m3fn" else None))
         found = ptx_ops(compile_for_hopper(ops._dequantize_nvfp4_kernel, darrays, plan,
                                            int_divisibility))
-        assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, (out, found)
+        loads = "ld.global.v2.b32" if plan.constexprs["LOOKUP"] else "ld.global.v4.b32"
+        assert {loads, "st.global.v4.b32"} <= found, (out, found)
+
 
 
 NVFP4_DEQUANT_VARIANTS = [  # (layout, global scale, heads, head_dim, page_size, out, out_scale)
@@ -569,6 +573,26 @@ def test_nvfp4_dequantize_kernel_compiles_for_sm90(variant, exact, combined):
     assert "ftz" not in " ".join(found)
     if variant[5] == "float8_e4m3fn" and not exact:
         assert any(op.startswith("cvt.rn.satfinite.e4m3x2") for op in found)
+
+
+@pytest.mark.parametrize("variant", [v for v in NVFP4_DEQUANT_VARIANTS if v[5] == "float8_e4m3fn"],
+                         ids=lambda v: "-".join(map(str, v)))
+def test_nvfp4_fp8_output_looks_codes_up_where_words_align(variant):
+    """The FP8 output's lookup (prmt on words of codes) is planned for 16-byte aligned arrays
+    whose byte strides are multiples of 4, and not otherwise (a misaligned torch tensor, a
+    cache view 2 bytes into its rows); both compile."""
+    args, arrays, plan = _nvfp4_dequant(variant)
+    assert plan.constexprs["LOOKUP"]
+    sign_select = "0x9D8C"   # a prmt selector of the lookup's (fp8kv.ops.codec)
+    assert sign_select in compile_for_hopper(ops._dequantize_nvfp4_kernel, arrays, plan).asm["ptx"]
+    pages = ArrayInfo.contiguous(dequantized_shape(args, False), "float8_e4m3fn", "cuda:0")
+    off = plan_dequantize(args, pages, pages, CUDA, None, aligned=False)
+    assert not off.constexprs["LOOKUP"]
+    assert sign_select not in compile_for_hopper(ops._dequantize_nvfp4_kernel, arrays,
+                                                 off).asm["ptx"]
+    kc = args.key_cache
+    shifted = replace(args, key_cache=replace(kc, stride_head=kc.stride_head + 2))
+    assert not plan_dequantize(shifted, pages, pages, CUDA).constexprs["LOOKUP"]
 
 
 # Stacked caches (layer=): a host layer (a scalar) or a device one (loaded); each kernel offsets

@@ -584,3 +584,116 @@ def encode_bytes(y, FORMAT: tl.constexpr, EXACT: tl.constexpr):
     else:
         code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return code
+
+
+
+# The GPU's lookup (nvfp4_e4m3_lookup): one word of 8 codes ($2, low nibble first) and its
+# block's table ($3, $4: e4m3 bytes of codes 0..3 and 4..7; $5, $6: of codes 8..11 and 12..15)
+# -> the codes' 8 bytes in memory order ($0: codes 0..3, $1: codes 4..7). prmt.b32 d, a, b, s
+# gives byte i of d from byte s[4i+2:4i] of {b, a} -- a 3-bit index, so 8 entries per lookup,
+# four codes per instruction -- or, with s[4i+3] set, that byte's sign bit replicated. Per four
+# codes: their bytes in the positive table and in the negative one, their sign bits as
+# 0xFF/0x00 bytes (from the msbs of the word's bytes, the odd codes' signs, and of the word
+# << 4's, the even codes'), then lop3 0xD8 = sign ? negative : positive.
+_E4M3_LOOKUP_PTX: tl.constexpr = tl.constexpr("""{
+.reg .b32 s, h, w4, e, n, m;
+and.b32 s, $2, 0x77777777;
+shr.b32 h, s, 16;
+shl.b32 w4, $2, 4;
+prmt.b32 e, $3, $4, s;
+prmt.b32 n, $5, $6, s;
+prmt.b32 m, $2, w4, 0x9D8C;
+lop3.b32 $0, e, n, m, 0xD8;
+prmt.b32 e, $3, $4, h;
+prmt.b32 n, $5, $6, h;
+prmt.b32 m, $2, w4, 0xBFAE;
+lop3.b32 $1, e, n, m, 0xD8;
+}""")
+
+
+# Four fp32 values -> their e4m3 bytes as one int32 word (first value in the low byte): two
+# cvt.rn.satfinite.e4m3x2.f32 (the conversion Triton emits for .to(tl.float8e4nv); its d takes
+# the first source in the high byte) and one move of the halves.
+_E4M3_WORD_PTX: tl.constexpr = tl.constexpr("""{
+.reg .b16 lo, hi;
+cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
+cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
+mov.b32 $0, {lo, hi};
+}""")
+
+
+@jit
+def e4m3_word(a, b, c, d, EXACT: tl.constexpr):
+    """The e4m3 codes (:func:`encode`) of ``a, b, c, d`` packed in an int32, ``a`` lowest."""
+    if EXACT:
+        word = (encode(a, FMT_E4M3, EXACT) | (encode(b, FMT_E4M3, EXACT) << 8)
+                | (encode(c, FMT_E4M3, EXACT) << 16) | (encode(d, FMT_E4M3, EXACT) << 24))
+    else:
+        word = tl.inline_asm_elementwise(_E4M3_WORD_PTX, "=r,f,f,f,f", [a, b, c, d],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    return word
+
+
+@jit
+def _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E2M1: tl.constexpr,
+                       SCALED: tl.constexpr, OUT_SCALE: tl.constexpr, EXACT: tl.constexpr,
+                       RECIPROCAL: tl.constexpr):
+    """fp32 ``((E2M1 * sv) * g) / out_scale`` (:func:`nvfp4_e4m3_table`)."""
+    v = sv * E2M1
+    if SCALED:
+        v = v * g
+    if OUT_SCALE != SCALE_NONE:
+        v = divide(v, out_scale, out_reciprocal, EXACT, RECIPROCAL)
+    return v
+
+
+@jit
+def nvfp4_e4m3_table(sv, g, out_scale, out_reciprocal, SCALED: tl.constexpr,
+                     OUT_SCALE: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """Per block (``sv``: its e4m3 value; ``g`` broadcastable), the e4m3 bytes that its 16 codes
+    dequantize to, as four int32 words (bytes of codes 0..3, 4..7, 8..11, 12..15): the
+    per-element rule -- ``(e2m1 * sv) * g`` (``SCALED``; :func:`nvfp4_values`), divided by
+    ``out_scale`` (unless ``OUT_SCALE`` is none; :func:`divide`), RNE with saturation -- once per
+    block for the eight magnitudes. A negative code's byte is its magnitude's with the sign bit
+    flipped, except NaN's 0x7F: the products, the division and the rounding are odd functions,
+    and every NaN is written 0x7F. ``e2m1 * sv`` is exact (6 significant bits)."""
+    low = e4m3_word(
+        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 0.0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
+        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 0.5, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
+        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 1.0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
+        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 1.5, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
+        EXACT)
+    high = e4m3_word(
+        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 2.0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
+        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 3.0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
+        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 4.0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
+        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 6.0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
+        EXACT)
+    # A byte of 0x7F carries into bit 7 when 1 is added to its low seven bits: NaN, no sign.
+    low_nan = ((low & 0x7F7F7F7F) + 0x01010101) & -0x7F7F7F80     # int32 0x80808080
+    high_nan = ((high & 0x7F7F7F7F) + 0x01010101) & -0x7F7F7F80
+    return low, high, low ^ low_nan ^ -0x7F7F7F80, high ^ high_nan ^ -0x7F7F7F80
+
+
+@jit
+def nvfp4_e4m3_lookup(codes, low, high, neg_low, neg_high, EXACT: tl.constexpr):
+    """The e4m3 bytes of ``codes`` (int32 words of 8 codes, low nibble first) from their
+    block's table (:func:`nvfp4_e4m3_table`, broadcastable): ``(first, second)``, the words of
+    codes 0..3 and 4..7. The GPU looks four codes up per ``prmt`` (:data:`_E4M3_LOOKUP_PTX`);
+    the exact path selects each code's byte with integer arithmetic."""
+    if EXACT:
+        first = tl.full(codes.shape, 0, tl.int32)
+        second = tl.full(codes.shape, 0, tl.int32)
+        for i in tl.static_range(8):
+            c = (codes >> (4 * i)) & 15
+            word = tl.where(c < 4, low, tl.where(c < 8, high, tl.where(c < 12, neg_low, neg_high)))
+            byte = (word >> (8 * (c & 3))) & 0xFF
+            if i < 4:
+                first = first | (byte << (8 * i))
+            else:
+                second = second | (byte << (8 * (i - 4)))
+    else:
+        first, second = tl.inline_asm_elementwise(
+            _E4M3_LOOKUP_PTX, "=r,=r,r,r,r,r,r", [codes, low, high, neg_low, neg_high],
+            dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    return first, second
