@@ -635,16 +635,23 @@ def e4m3_word(a, b, c, d, EXACT: tl.constexpr):
 
 
 @jit
-def _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E2M1: tl.constexpr,
-                       SCALED: tl.constexpr, OUT_SCALE: tl.constexpr, EXACT: tl.constexpr,
-                       RECIPROCAL: tl.constexpr):
-    """fp32 ``((E2M1 * sv) * g) / out_scale`` (:func:`nvfp4_e4m3_table`)."""
-    v = sv * E2M1
+def _nvfp4_table_word(sv, g, out_scale, out_reciprocal, E0: tl.constexpr, E1: tl.constexpr,
+                      E2: tl.constexpr, E3: tl.constexpr, SCALED: tl.constexpr,
+                      OUT_SCALE: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """The e4m3 bytes of E2M1 magnitudes ``E0..E3`` of each block (:func:`nvfp4_e4m3_table`) in
+    an int32, ``E0``'s lowest: ``((e2m1 * sv) * g) / out_scale`` each."""
+    v0 = sv * E0
+    v1 = sv * E1
+    v2 = sv * E2
+    v3 = sv * E3
     if SCALED:
-        v = v * g
+        v0, v1, v2, v3 = v0 * g, v1 * g, v2 * g, v3 * g
     if OUT_SCALE != SCALE_NONE:
-        v = divide(v, out_scale, out_reciprocal, EXACT, RECIPROCAL)
-    return v
+        v0 = divide(v0, out_scale, out_reciprocal, EXACT, RECIPROCAL)
+        v1 = divide(v1, out_scale, out_reciprocal, EXACT, RECIPROCAL)
+        v2 = divide(v2, out_scale, out_reciprocal, EXACT, RECIPROCAL)
+        v3 = divide(v3, out_scale, out_reciprocal, EXACT, RECIPROCAL)
+    return e4m3_word(v0, v1, v2, v3, EXACT)
 
 
 @jit
@@ -657,18 +664,10 @@ def nvfp4_e4m3_table(sv, g, out_scale, out_reciprocal, SCALED: tl.constexpr,
     block for the eight magnitudes. A negative code's byte is its magnitude's with the sign bit
     flipped, except NaN's 0x7F: the products, the division and the rounding are odd functions,
     and every NaN is written 0x7F. ``e2m1 * sv`` is exact (6 significant bits)."""
-    low = e4m3_word(
-        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 0.0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
-        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 0.5, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
-        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 1.0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
-        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 1.5, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
-        EXACT)
-    high = e4m3_word(
-        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 2.0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
-        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 3.0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
-        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 4.0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
-        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 6.0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
-        EXACT)
+    low = _nvfp4_table_word(sv, g, out_scale, out_reciprocal, 0.0, 0.5, 1.0, 1.5, SCALED,
+                            OUT_SCALE, EXACT, RECIPROCAL)
+    high = _nvfp4_table_word(sv, g, out_scale, out_reciprocal, 2.0, 3.0, 4.0, 6.0, SCALED,
+                             OUT_SCALE, EXACT, RECIPROCAL)
     # A byte of 0x7F carries into bit 7 when 1 is added to its low seven bits: NaN, no sign.
     low_nan = ((low & 0x7F7F7F7F) + 0x01010101) & -0x7F7F7F80     # int32 0x80808080
     high_nan = ((high & 0x7F7F7F7F) + 0x01010101) & -0x7F7F7F80
