@@ -38,9 +38,9 @@ DEQUANT_VARIANTS = {
     "FMA division": dict(reciprocal_div=Division.FMA),
     "2048 elements per program": dict(block=2048),
     "8192 elements per program": dict(block=8192),
-    "16384 elements per program": dict(block=16384),
+    "lookup: 4096 elements per program": dict(lookup_block=4096),
+    "lookup: 16384 elements per program": dict(lookup_block=16384),
     "8 warps": dict(num_warps=8),
-    "8192 elements, 8 warps": dict(block=8192, num_warps=8),
 }
 
 

@@ -67,8 +67,9 @@ DEQUANT_SIZES = {
 # (bench/nvfp4.py has the variants). small_blockwise: small batches load [T, H, D/16, 16] blocks
 # over two threads each (a quarter of a group's chain per thread; the amax a two-thread
 # reduction) instead of whole groups per thread. lookup: an FP8 output by a per-block table
-# (ops/dequantize_nvfp4.py _lookup_side; 16 x 512 pages 156 / 207 -> 116 / 117 us at out_scale
-# 2**-2 / 0.37 on the H200), where the arrays allow its 4-byte words.
+# (ops/dequantize_nvfp4.py _lookup_side), where the arrays allow its 4-byte words, with
+# lookup_block output elements per program (16 x 512 pages on the H200: 156 / 207 us per element
+# at out_scale 2**-2 / 0.37 -> 110 with 4,096 elements, 107 with 8,192; bench/NOTES.md).
 NVFP4_WRITE_SIZES = {
     # Measured on the H200 (bench/nvfp4.py variants): 1,024-element tiles with one warp beat
     # 2,048 with two at 65,536 tokens (129 vs 136 us); four warps beat one at 1-256 tokens, and
@@ -80,8 +81,10 @@ NVFP4_WRITE_SIZES = {
                     small_batch_elems=0, loads_first=True, small_blockwise=False),
 }
 NVFP4_DEQUANT_SIZES = {
-    CUDA: dict(block=4096, num_warps=4, reciprocal_div=Division.FP64, lookup=True),
-    INTERPRET: dict(block=1 << 16, num_warps=1, reciprocal_div=Division.DIV_RN, lookup=True),
+    CUDA: dict(block=4096, num_warps=4, reciprocal_div=Division.FP64, lookup=True,
+               lookup_block=8192),
+    INTERPRET: dict(block=1 << 16, num_warps=1, reciprocal_div=Division.DIV_RN, lookup=True,
+                    lookup_block=1 << 16),
 }
 
 
@@ -342,9 +345,6 @@ def _plan_dequantize_nvfp4(args: DequantArgs, ko, vo, backend: str, exact: bool 
     kc, vc = args.key_cache, args.value_cache
     ks, vs, os = args.key_scale, args.value_scale, args.out_scale
     block_d = triton.next_power_of_2(args.head_dim)
-    rows = max(1, sizes["block"] // block_d)
-    if backend == INTERPRET:  # one program per page where it fits
-        rows = min(rows, triton.next_power_of_2(kc.page_size * kc.num_heads))
     table = args.block_table
     scalars = dict(
         pages_per_seq=max(args.pages_per_seq, 1), stride_table_seq=table.strides[0],
@@ -357,6 +357,9 @@ def _plan_dequantize_nvfp4(args: DequantArgs, ko, vo, backend: str, exact: bool 
     # FP8 output by lookup: codes and output bytes move as int32 words (ops/dequantize_nvfp4.py).
     lookup = (sizes["lookup"] and args.out_dtype == FP8_OUTPUT_DTYPE and aligned
               and all(n % 4 == 0 for n in codes_and_out.values()))
+    rows = max(1, sizes["lookup_block" if lookup else "block"] // block_d)
+    if backend == INTERPRET:  # one program per page where it fits
+        rows = min(rows, triton.next_power_of_2(kc.page_size * kc.num_heads))
     constexprs = dict(
         NUM_HEADS=kc.num_heads, HEAD_DIM=args.head_dim, PAGE_SIZE=kc.page_size, **codes_and_out,
         **_strides("KB", ks.stored), **_strides("VB", vs.stored),

@@ -127,7 +127,10 @@ def test_special_global_scales_on_device(device):
 
 DEQUANT = [(CASES[0], "bfloat16", None), (CASES[1], "float32", None),
            (CASES[2], "float16", None), (CASES[3], "float8_e4m3fn", 0.75),
-           (CASES[4], "float8_e4m3fn", None), (CASES[5], "float8_e4m3fn", "tensor")]
+           (CASES[4], "float8_e4m3fn", None), (CASES[5], "float8_e4m3fn", "tensor"),
+           # FP8 by lookup: head_dim 16 (one block a row), 80 (an odd count of blocks), 64
+           (CASES[1], "float8_e4m3fn", 0.37), (CASES[2], "float8_e4m3fn", "tensor"),
+           (CASES[0], "float8_e4m3fn", None)]
 
 
 @pytest.mark.parametrize("case,out,out_scale", DEQUANT,
@@ -200,9 +203,15 @@ def test_every_byte_decodes_through_the_kernel(device):
 
 # Every code byte with every block scale, under global scales (one per head) that include the
 # extremes: the FP8 output's lookup table against the per-element rule of the reference.
-EVERY_G = np.array([1.0, 0.37, -2.5, np.inf, np.nan, 0.0, 1e-30, 3e38], np.float32)
-EVERY_OUT_SCALE = [None, 0.25, 0.37, 1e-30, np.float32(0.0), np.float32(np.inf),
-                   np.float32(np.nan), np.float32(-0.5)]
+# Per head (K, V): products sv * g all normal up to 2**125, 0, NaN or infinite as g is (the
+# kernel's table from three quotients scaled by powers of two); subnormal or overflowing
+# products in every program (eight quotients per block; fp8kv.ops.codec.nvfp4_e4m3_table).
+EVERY_G = {"normal": ([1.0, 0.37, -2.5, np.inf, np.nan, 0.0, 1e-30, 1e30],
+                      [6.0, -1e-20, 448.0, 5e-10, 2.0 ** -100, 1e20, -np.inf, 0.75]),
+           "extreme": ([1.0, 0.37, -2.5, np.inf, np.nan, 0.0, 1e-30, 3e38],
+                       [1.0, 2e-39, 1e-38, -3e-39, 6.0, 1e-20, 448.0, 5e-10])}
+EVERY_OUT_SCALE = [None, 0.25, 0.37, 1e-30, 3e38, np.float32(0.0), np.float32(np.inf),
+                   np.float32(np.nan), np.float32(-0.5), np.float32(1e-38)]
 
 
 def _every_code_and_block_scale():
@@ -216,14 +225,16 @@ def _every_code_and_block_scale():
 
 @pytest.mark.parametrize("out_scale", EVERY_OUT_SCALE,
                          ids=lambda s: "none" if s is None else f"{type(s).__name__}{s}")
-def test_fp8_output_of_every_code_and_block_scale(out_scale, device):
+@pytest.mark.parametrize("products", ["normal", "extreme"])
+def test_fp8_output_of_every_code_and_block_scale(products, out_scale, device):
     codes, scales, table = _every_code_and_block_scale()
-    want = ref.dequantize_pages(codes, codes, table, EVERY_G, EVERY_G[::-1].copy(),
+    gk, gv = (np.array(g, np.float32) for g in EVERY_G[products])
+    want = ref.dequantize_pages(codes, codes, table, gk, gv,
                                 key_scale_cache=scales, value_scale_cache=scales,
                                 cache_format="nvfp4", dtype="float8_e4m3fn", out_scale=out_scale)
     got = fp8kv_torch.dequantize_pages(
-        _t(codes, device), _t(codes, device), _t(table, device), _t(EVERY_G, device),
-        _t(EVERY_G[::-1].copy(), device), key_scale_cache=_t(scales, device),
+        _t(codes, device), _t(codes, device), _t(table, device), _t(gk, device), _t(gv, device),
+        key_scale_cache=_t(scales, device),
         value_scale_cache=_t(scales, device), cache_format="nvfp4", dtype=torch.float8_e4m3fn,
         out_scale=out_scale if out_scale is None or isinstance(out_scale, float)
         else _t(np.array(out_scale), device))
@@ -238,10 +249,11 @@ def test_misaligned_arrays_take_the_per_element_path(device):
     flat = torch.zeros(codes.size + 1, dtype=torch.uint8, device=device)
     shifted = flat[1:].view(codes.shape)
     shifted.copy_(to_torch(codes, device))
-    args = (_t(table, device), _t(EVERY_G, device), _t(EVERY_G, device))
+    g = np.array(EVERY_G["normal"][0], np.float32)
+    args = (_t(table, device), _t(g, device), _t(g, device))
     kw = dict(key_scale_cache=_t(scales, device), value_scale_cache=_t(scales, device),
               cache_format="nvfp4", dtype=torch.float8_e4m3fn, out_scale=0.37)
-    want = ref.dequantize_pages(codes, codes, table, EVERY_G, EVERY_G, key_scale_cache=scales,
+    want = ref.dequantize_pages(codes, codes, table, g, g, key_scale_cache=scales,
                                 value_scale_cache=scales, cache_format="nvfp4",
                                 dtype="float8_e4m3fn", out_scale=0.37)
     aligned = _t(codes, device)

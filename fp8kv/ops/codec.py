@@ -639,19 +639,45 @@ def _nvfp4_table_word(sv, g, out_scale, out_reciprocal, E0: tl.constexpr, E1: tl
                       E2: tl.constexpr, E3: tl.constexpr, SCALED: tl.constexpr,
                       OUT_SCALE: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
     """The e4m3 bytes of E2M1 magnitudes ``E0..E3`` of each block (:func:`nvfp4_e4m3_table`) in
-    an int32, ``E0``'s lowest: ``((e2m1 * sv) * g) / out_scale`` each."""
-    v0 = sv * E0
-    v1 = sv * E1
-    v2 = sv * E2
-    v3 = sv * E3
+    an int32, ``E0``'s lowest (:func:`_nvfp4_table_value` each)."""
+    return e4m3_word(
+        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
+        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E1, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
+        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E2, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
+        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E3, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
+        EXACT)
+
+
+@jit
+def _nvfp4_scaled_words(sv, g, out_scale, out_reciprocal, SCALED: tl.constexpr,
+                        OUT_SCALE: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """:func:`nvfp4_e4m3_table`'s two words from three quotients per block: magnitudes 0.5, 1,
+    2, 4 are powers of two times 1 and 3, 6 twice and four times 1.5, and a product or quotient
+    by a power of two is exact in fp32's normal range. Outside it the bytes agree too: a
+    quotient below 2**-125 is +-0 in e4m3 however it is scaled, one past fp32's range saturates
+    (448) as the scaled one does; the caller makes sure that no ``RN(sv * g)`` is subnormal or
+    overflows."""
+    q0 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 0.0, SCALED, OUT_SCALE, EXACT,
+                            RECIPROCAL)
+    q1 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 1.0, SCALED, OUT_SCALE, EXACT,
+                            RECIPROCAL)
+    q3 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 1.5, SCALED, OUT_SCALE, EXACT,
+                            RECIPROCAL)
+    return (e4m3_word(q0, q1 * 0.5, q1, q3, EXACT),
+            e4m3_word(q1 * 2.0, q3 * 2.0, q1 * 4.0, q3 * 4.0, EXACT))
+
+
+@jit
+def _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E2M1: tl.constexpr,
+                       SCALED: tl.constexpr, OUT_SCALE: tl.constexpr, EXACT: tl.constexpr,
+                       RECIPROCAL: tl.constexpr):
+    """``((E2M1 * sv) * g) / out_scale`` (fp32, each operation rounded)."""
+    v = sv * E2M1
     if SCALED:
-        v0, v1, v2, v3 = v0 * g, v1 * g, v2 * g, v3 * g
+        v = v * g
     if OUT_SCALE != SCALE_NONE:
-        v0 = divide(v0, out_scale, out_reciprocal, EXACT, RECIPROCAL)
-        v1 = divide(v1, out_scale, out_reciprocal, EXACT, RECIPROCAL)
-        v2 = divide(v2, out_scale, out_reciprocal, EXACT, RECIPROCAL)
-        v3 = divide(v3, out_scale, out_reciprocal, EXACT, RECIPROCAL)
-    return e4m3_word(v0, v1, v2, v3, EXACT)
+        v = divide(v, out_scale, out_reciprocal, EXACT, RECIPROCAL)
+    return v
 
 
 @jit
@@ -661,13 +687,30 @@ def nvfp4_e4m3_table(sv, g, out_scale, out_reciprocal, SCALED: tl.constexpr,
     dequantize to, as four int32 words (bytes of codes 0..3, 4..7, 8..11, 12..15): the
     per-element rule -- ``(e2m1 * sv) * g`` (``SCALED``; :func:`nvfp4_values`), divided by
     ``out_scale`` (unless ``OUT_SCALE`` is none; :func:`divide`), RNE with saturation -- once per
-    block for the eight magnitudes. A negative code's byte is its magnitude's with the sign bit
-    flipped, except NaN's 0x7F: the products, the division and the rounding are odd functions,
-    and every NaN is written 0x7F. ``e2m1 * sv`` is exact (6 significant bits)."""
-    low = _nvfp4_table_word(sv, g, out_scale, out_reciprocal, 0.0, 0.5, 1.0, 1.5, SCALED,
-                            OUT_SCALE, EXACT, RECIPROCAL)
-    high = _nvfp4_table_word(sv, g, out_scale, out_reciprocal, 2.0, 3.0, 4.0, 6.0, SCALED,
-                             OUT_SCALE, EXACT, RECIPROCAL)
+    block for the eight magnitudes: three quotients scaled by powers of two
+    (:func:`_nvfp4_scaled_words`) where every block's ``RN(sv * g)`` is 0 as ``sv`` or ``g``
+    is, NaN, infinite as ``g`` is, or normal up to ``2**125``; else (subnormal or overflowing
+    products, a program at a time) eight quotients. A negative code's byte is its magnitude's
+    with the sign bit flipped, except NaN's 0x7F: the products, the division and the rounding
+    are odd functions, and every NaN is written 0x7F. ``e2m1 * sv`` is exact (6 significant
+    bits)."""
+    if SCALED:
+        gb = tl.abs(tl.broadcast_to(g, sv.shape))
+        p = tl.abs(sv * g)
+        ok = (((p >= 2.0 ** -125) & (p <= 2.0 ** 125)) | (sv == 0.0) | (gb == 0.0) | (p != p)
+              | (gb == _INF))
+        # The program's vote (tl.reduce with our combiner: the interpreter twin rebinds it).
+        scaled = tl.reduce(tl.reshape(1 - ok.to(tl.int32), (ok.numel,)), 0, max_combine) == 0
+    else:
+        scaled = True   # sv alone: an e4m3 value, 0 or NaN
+    if scaled:
+        low, high = _nvfp4_scaled_words(sv, g, out_scale, out_reciprocal, SCALED, OUT_SCALE,
+                                        EXACT, RECIPROCAL)
+    else:
+        low = _nvfp4_table_word(sv, g, out_scale, out_reciprocal, 0.0, 0.5, 1.0, 1.5, SCALED,
+                                OUT_SCALE, EXACT, RECIPROCAL)
+        high = _nvfp4_table_word(sv, g, out_scale, out_reciprocal, 2.0, 3.0, 4.0, 6.0, SCALED,
+                                 OUT_SCALE, EXACT, RECIPROCAL)
     # A byte of 0x7F carries into bit 7 when 1 is added to its low seven bits: NaN, no sign.
     low_nan = ((low & 0x7F7F7F7F) + 0x01010101) & -0x7F7F7F80     # int32 0x80808080
     high_nan = ((high & 0x7F7F7F7F) + 0x01010101) & -0x7F7F7F80
