@@ -9,7 +9,9 @@ NVFP4 (a format with block scales) has kernels of its own (``write_nvfp4``, ``de
 so no ``FORMAT`` branch: its 4-bit codes depend on their block (the block scale, a sign mask) and
 come in pairs per byte, which :func:`encode` / :func:`decode`'s one-code-per-element form cannot
 say. Its helpers are at the end of this module: the block scales, the division by them, E2M1
-encoding (one implementation: fp32 arithmetic, exact on every path) and decoding.
+encoding (one implementation: fp32 arithmetic, exact on every path) and decoding, and the FP8
+output's per-block table and lookup (PTX ``prmt`` through ``tl.inline_asm_elementwise`` on the
+GPU, elementwise on int32 words, so no layout assumption; integer selection on the exact path).
 
 Each conversion has two implementations selected by the ``EXACT`` constexpr:
 
@@ -586,7 +588,6 @@ def encode_bytes(y, FORMAT: tl.constexpr, EXACT: tl.constexpr):
     return code
 
 
-
 # The GPU's lookup (nvfp4_e4m3_lookup): one word of 8 codes ($2, low nibble first) and its
 # block's table ($3, $4: e4m3 bytes of codes 0..3 and 4..7; $5, $6: of codes 8..11 and 12..15)
 # -> the codes' 8 bytes in memory order ($0: codes 0..3, $1: codes 4..7). prmt.b32 d, a, b, s
@@ -640,12 +641,15 @@ def _nvfp4_table_word(sv, g, out_scale, out_reciprocal, E0: tl.constexpr, E1: tl
                       OUT_SCALE: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
     """The e4m3 bytes of E2M1 magnitudes ``E0..E3`` of each block (:func:`nvfp4_e4m3_table`) in
     an int32, ``E0``'s lowest (:func:`_nvfp4_table_value` each)."""
-    return e4m3_word(
-        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E0, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
-        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E1, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
-        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E2, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
-        _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E3, SCALED, OUT_SCALE, EXACT, RECIPROCAL),
-        EXACT)
+    v0 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E0, SCALED, OUT_SCALE, EXACT,
+                            RECIPROCAL)
+    v1 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E1, SCALED, OUT_SCALE, EXACT,
+                            RECIPROCAL)
+    v2 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E2, SCALED, OUT_SCALE, EXACT,
+                            RECIPROCAL)
+    v3 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E3, SCALED, OUT_SCALE, EXACT,
+                            RECIPROCAL)
+    return e4m3_word(v0, v1, v2, v3, EXACT)
 
 
 @jit

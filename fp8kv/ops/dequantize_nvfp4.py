@@ -60,8 +60,8 @@ def _lookup_side(codes_ptr, blocks_ptr, out_ptr, scale_ptr, scale_value, out_sca
                         + ((b * 2)[:, None] + (slot * (STRIDE_C_SLOT // 4)
                                                + head * (STRIDE_C_HEAD // 4))[None, :])[:, :, None]
                         + tl.arange(0, 2)[None, None, :], mask=mask[:, :, None], other=0)
-        sf = tl.load(blocks_ptr + b[:, None] + (slot * STRIDE_B_SLOT + head * STRIDE_B_HEAD)[None, :],
-                     mask=mask, other=0)
+        sf = tl.load(blocks_ptr + b[:, None]
+                     + (slot * STRIDE_B_SLOT + head * STRIDE_B_HEAD)[None, :], mask=mask, other=0)
         sv = decode(sf.to(tl.int32), FMT_E4M3, EXACT)                            # [BLOCKS, ROWS]
         if KIND == SCALE_HEAD:
             g = load_scale(scale_ptr, scale_value, head, r_mask, KIND)[None, :]
