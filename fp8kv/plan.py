@@ -69,7 +69,7 @@ DEQUANT_SIZES = {
 # reduction) instead of whole groups per thread. lookup: an FP8 output by a per-block table
 # (ops/dequantize_nvfp4.py _lookup_side), where the arrays allow its 4-byte words, with
 # lookup_block output elements per program (16 x 512 pages on the H200: 156 / 207 us per element
-# at out_scale 2**-2 / 0.37 -> 110 with 4,096 elements, 107 with 8,192; bench/NOTES.md).
+# at out_scale 2**-2 / 0.37 -> 110-111 with 4,096 elements, 107-108 with 8,192; bench/NOTES.md).
 NVFP4_WRITE_SIZES = {
     # Measured on the H200 (bench/nvfp4.py variants): 1,024-element tiles with one warp beat
     # 2,048 with two at 65,536 tokens (129 vs 136 us); four warps beat one at 1-256 tokens, and
