@@ -34,13 +34,16 @@ SMALL_VARIANTS = {
     "small: blockwise, 8 warps": dict(small_batch_warps=8),
 }
 DEQUANT_VARIANTS = {
-    "FP8 output per element (no lookup)": dict(lookup=False),
     "FMA division": dict(reciprocal_div=Division.FMA),
     "2048 elements per program": dict(block=2048),
     "8192 elements per program": dict(block=8192),
+    "8 warps": dict(num_warps=8),
+}
+# An FP8 output's lookup (NVFP4_DEQUANT_SIZES["lookup"], "lookup_block"): its rows only.
+FP8_DEQUANT_VARIANTS = {
+    "FP8 output per element (no lookup)": dict(lookup=False),
     "lookup: 4096 elements per program": dict(lookup_block=4096),
     "lookup: 16384 elements per program": dict(lookup_block=16384),
-    "8 warps": dict(num_warps=8),
 }
 
 
@@ -140,7 +143,9 @@ def table_nvfp4(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
         name = f"dequantize {batch}x{pages_per_seq} -> {out}"
         table.add(name, pages, "fp8kv", mode, timer.time(mode, calls), nbytes)
         if timer.cuda:
-            for label, entries in DEQUANT_VARIANTS.items():
+            fp8 = dtype == torch.float8_e4m3fn
+            variants = dict(DEQUANT_VARIANTS, **(FP8_DEQUANT_VARIANTS if fp8 else {}))
+            for label, entries in variants.items():
                 with planned_with(plan.NVFP4_DEQUANT_SIZES, plan.CUDA, **entries):
                     table.add(name, pages, f"fp8kv, {label}", mode, timer.time(mode, calls),
                               nbytes)

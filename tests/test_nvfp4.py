@@ -200,12 +200,10 @@ def test_every_byte_decodes_through_the_kernel(device):
     np.testing.assert_array_equal(bits(k).reshape(-1), as_uint(np.float32(want)))
 
 
-
-# Every code byte with every block scale, under global scales (one per head) that include the
-# extremes: the FP8 output's lookup table against the per-element rule of the reference.
-# Per head (K, V): products sv * g all normal up to 2**125, 0, NaN or infinite as g is (the
-# kernel's table from three quotients scaled by powers of two); subnormal or overflowing
-# products in every program (eight quotients per block; fp8kv.ops.codec.nvfp4_e4m3_table).
+# Every code byte with every block scale, to FP8, against the reference's per-element rule, under
+# global scales per head (K, V): products sv * g all normal up to 2**125, 0, NaN or infinite as g
+# is (the kernel's table from three quotients scaled by powers of two), or subnormal and
+# overflowing ones in every program (eight quotients per block; fp8kv.ops.codec.nvfp4_e4m3_table).
 EVERY_G = {"normal": ([1.0, 0.37, -2.5, np.inf, np.nan, 0.0, 1e-30, 1e30],
                       [6.0, -1e-20, 448.0, 5e-10, 2.0 ** -100, 1e20, -np.inf, 0.75]),
            "extreme": ([1.0, 0.37, -2.5, np.inf, np.nan, 0.0, 1e-30, 3e38],
@@ -234,8 +232,8 @@ def test_fp8_output_of_every_code_and_block_scale(products, out_scale, device):
                                 cache_format="nvfp4", dtype="float8_e4m3fn", out_scale=out_scale)
     got = fp8kv_torch.dequantize_pages(
         _t(codes, device), _t(codes, device), _t(table, device), _t(gk, device), _t(gv, device),
-        key_scale_cache=_t(scales, device),
-        value_scale_cache=_t(scales, device), cache_format="nvfp4", dtype=torch.float8_e4m3fn,
+        key_scale_cache=_t(scales, device), value_scale_cache=_t(scales, device),
+        cache_format="nvfp4", dtype=torch.float8_e4m3fn,
         out_scale=out_scale if out_scale is None or isinstance(out_scale, float)
         else _t(np.array(out_scale), device))
     assert_same(got, want)
@@ -260,6 +258,7 @@ def test_misaligned_arrays_take_the_per_element_path(device):
     for _ in range(2):   # first call and ready launch, both arrangements
         assert_same(fp8kv_torch.dequantize_pages(shifted, shifted, *args, **kw), want)
         assert_same(fp8kv_torch.dequantize_pages(aligned, aligned, *args, **kw), want)
+
 
 # ---------------------------------------------------------------------------------------------
 # Errors: raised before anything is written.

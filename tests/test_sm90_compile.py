@@ -527,7 +527,6 @@ def test_nvfp4_default_shapes_get_16_byte_accesses(int_divisibility):
         assert {loads, "st.global.v4.b32"} <= found, (out, found)
 
 
-
 NVFP4_DEQUANT_VARIANTS = [  # (layout, global scale, heads, head_dim, page_size, out, out_scale)
     ("NHD", "tensor", 8, 128, 16, "bfloat16", None),
     ("HND", "head", 6, 80, 16, "float16", None),

@@ -92,7 +92,7 @@ def _dequantize_side(codes_ptr, blocks_ptr, out_ptr, scale_ptr, scale_value, out
                      RECIPROCAL_DIV: tl.constexpr, LOOKUP: tl.constexpr, EXACT: tl.constexpr):
     """One side's ``[ROWS, BLOCK_D]`` tile: ``codes_ptr`` / ``blocks_ptr`` / ``out_ptr`` are its
     cache page, block-scale page and output page; ``slot``/``head`` each row's."""
-    if (OUT_KIND == OUT_FLOAT8_E4M3FN) & LOOKUP:
+    if LOOKUP:   # an FP8 output (the plan sets LOOKUP for no other)
         _lookup_side(codes_ptr, blocks_ptr, out_ptr, scale_ptr, scale_value, out_scale,
                      out_reciprocal, slot, head, r_mask, valid,
                      STRIDE_C_SLOT=STRIDE_C_SLOT, STRIDE_C_HEAD=STRIDE_C_HEAD,
@@ -103,8 +103,8 @@ def _dequantize_side(codes_ptr, blocks_ptr, out_ptr, scale_ptr, scale_value, out
     else:
         BLOCKS: tl.constexpr = BLOCK_D // NVFP4_BLOCK
         d = tl.arange(0, BLOCK_D)
-        # Padding pages are zeros (not 0 * scale, which is NaN for an inf scale); the branch is the
-        # whole program's (one table entry), so valid pages pay no select per element.
+        # Padding pages are zeros (not 0 * scale, which is NaN for an inf scale); the branch is
+        # the whole program's (one table entry), so valid pages pay no select per element.
         if valid:
             j = tl.arange(0, BLOCK_D // 2)
             b = tl.arange(0, BLOCKS)
@@ -112,14 +112,14 @@ def _dequantize_side(codes_ptr, blocks_ptr, out_ptr, scale_ptr, scale_value, out
                             + j[None, :], mask=r_mask[:, None] & (j < HEAD_DIM // 2)[None, :],
                             other=0).to(tl.int32)
             sf = tl.load(blocks_ptr + (slot * STRIDE_B_SLOT + head * STRIDE_B_HEAD)[:, None]
-                         + b[None, :], mask=r_mask[:, None] & (b < HEAD_DIM // NVFP4_BLOCK)[None, :],
-                         other=0)
-            sv = decode(sf.to(tl.int32), FMT_E4M3, EXACT)[:, :, None]            # [ROWS, BLOCKS, 1]
+                         + b[None, :],
+                         mask=r_mask[:, None] & (b < HEAD_DIM // NVFP4_BLOCK)[None, :], other=0)
+            sv = decode(sf.to(tl.int32), FMT_E4M3, EXACT)[:, :, None]        # [ROWS, BLOCKS, 1]
             if KIND == SCALE_HEAD:
                 g = load_scale(scale_ptr, scale_value, head, r_mask, KIND)[:, None, None]
             else:
                 g = scalar_scale(scale_ptr, scale_value, KIND)
-            # Each block's 8 bytes; element 2i is the low nibble: join (lo, hi) and read in order.
+            # Each block's 8 bytes; element 2i is the low nibble: join (lo, hi), read in order.
             lo, hi = nvfp4_values(tl.reshape(codes, (ROWS, BLOCKS, NVFP4_BLOCK // 2)), sv, g,
                                   SCALED=KIND != SCALE_NONE)
             v = tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_D))
