@@ -15,9 +15,8 @@ from .arrays import ArrayInfo, fmt_shape
 from .formats import (BLOCK_SCALE_DTYPES, CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, FP8_FORMATS,
                       FP8_OUTPUT_DTYPE, INPUT_DTYPES, OUTPUT_DTYPES, SLOT_DTYPES, Format,
                       resolve_format)
-from .layout import (INLINE_PADS, LAYOUTS, Layers, PagedCache, ScaleCache, block_scales_shape,
-                     combined_halves,
-                     expected_cache_shape, inline_data, paged, pages_shape,
+from .layout import (INLINE_PADS, LAYOUTS, Layers, PagedCache, block_scales_shape,
+                     combined_halves, expected_cache_shape, inline_data, paged, pages_shape,
                      scale_cache as scale_cache_geometry, scale_cache_shapes)
 from .modes import ScaleKind, SideScale
 
@@ -86,6 +85,18 @@ def check_contiguous(info: ArrayInfo, name: str) -> None:
         raise ValueError(f"{name}: expected a contiguous array, got strides {fmt_shape(info.strides)}")
 
 
+def check_nonnegative_strides(info: ArrayInfo, name: str) -> None:
+    if any(s < 0 for s in info.strides):
+        raise ValueError(f"{name}: expected non-negative strides, got {fmt_shape(info.strides)}")
+
+
+def check_device(info: ArrayInfo, name: str, device: str, owner: str | None = "the cache") -> None:
+    """``info`` on ``device``; ``owner`` names whose device that is (None: nobody's)."""
+    if info.device != device:
+        whose = f" (that of {owner})" if owner else ""
+        raise ValueError(f"{name}: expected device {device}{whose}, got {info.device}")
+
+
 def check_same_device(named: dict) -> str:
     devices = {name: a.device for name, a in named.items() if isinstance(a, ArrayInfo)}
     first_name, first = next(iter(devices.items()))
@@ -108,8 +119,7 @@ def check_cache(cache: ArrayInfo, layout: str, name: str, combined: bool = False
     if half.ndim not in (3, 4):
         raise ValueError(f"{name}: expected rank 3 {expected_cache_shape(layout, 3)} or rank 4 "
                          f"{expected_cache_shape(layout, 4)}, got shape {fmt_shape(half.shape)}")
-    if any(s < 0 for s in cache.strides):
-        raise ValueError(f"{name}: expected non-negative strides, got {fmt_shape(cache.strides)}")
+    check_nonnegative_strides(cache, name)
     return combined_halves(cache, layout) if combined else paged(cache, layout)
 
 
@@ -146,8 +156,7 @@ def check_scale(scale, name: str, num_heads: int, device: str) -> SideScale:
         if scale.shape not in ((), (1,), (num_heads,)):
             raise ValueError(f"{name}: expected shape [], [1] or [{num_heads}] (num_kv_heads), got "
                              f"{fmt_shape(scale.shape)}")
-        if scale.device != device:
-            raise ValueError(f"{name}: expected device {device} (that of the cache), got {scale.device}")
+        check_device(scale, name, device)
         check_contiguous(scale, name)
         per_head = scale.shape == (num_heads,) and num_heads > 1
         return SideScale(ScaleKind.HEAD if per_head else ScaleKind.TENSOR)
@@ -238,12 +247,8 @@ def check_scale_cache(scale_cache, name: str, scale, scale_name: str, cache: Pag
         raise ValueError(f"{name}: expected shape {fmt_shape(shapes['token_head'])} (per token-head) "
                          f"or {fmt_shape(shapes['token'])} (per token) for a {layout} cache of rank "
                          f"{rank}, got {fmt_shape(scale_cache.shape)}")
-    if scale_cache.device != device:
-        raise ValueError(f"{name}: expected device {device} (that of the cache), got "
-                         f"{scale_cache.device}")
-    if any(s < 0 for s in scale_cache.strides):
-        raise ValueError(f"{name}: expected non-negative strides, got "
-                         f"{fmt_shape(scale_cache.strides)}")
+    check_device(scale_cache, name, device)
+    check_nonnegative_strides(scale_cache, name)
     geometry = scale_cache_geometry(scale_cache, layout, rank)
     return SideScale(dynamic=ScaleKind.TOKEN_HEAD if geometry.per_head else ScaleKind.TOKEN,
                      stored=geometry)
@@ -270,12 +275,8 @@ def check_block_scales(scale_cache, name: str, cache: PagedCache, layout: str, r
     check_dtype(scale_cache, name, BLOCK_SCALE_DTYPES)
     if scale_cache.shape != shape:
         raise ValueError(f"{name}: expected {expected}, got shape {fmt_shape(scale_cache.shape)}")
-    if scale_cache.device != device:
-        raise ValueError(f"{name}: expected device {device} (that of the cache), got "
-                         f"{scale_cache.device}")
-    if any(st < 0 for st in scale_cache.strides):
-        raise ValueError(f"{name}: expected non-negative strides, got "
-                         f"{fmt_shape(scale_cache.strides)}")
+    check_device(scale_cache, name, device)
+    check_nonnegative_strides(scale_cache, name)
     check_unit_last_stride(scale_cache, name)
     return paged(scale_cache, layout)
 
@@ -521,14 +522,15 @@ def dequantized_shape(args: DequantArgs, combined: bool) -> tuple[int, ...]:
                        args.cache_rank, args.batch * args.pages_per_seq, combined)
 
 
-def check_out(out: ArrayInfo, name: str, shape, dtype: str, device: str) -> None:
-    """A caller-provided output: exact shape and dtype, same device, unit last stride."""
-    check_dtype(out, name, (dtype,))
+def check_out(out: ArrayInfo, name: str, shape, dtypes, device: str) -> None:
+    """A caller-provided output: exact shape, one of ``dtypes``, same device, unit last stride,
+    no stride negative."""
+    check_dtype(out, name, dtypes)
     if out.shape != tuple(shape):
         raise ValueError(f"{name}: expected shape {fmt_shape(shape)}, got {fmt_shape(out.shape)}")
-    if out.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {out.device}")
+    check_device(out, name, device, owner=None)
     check_unit_last_stride(out, name)
+    check_nonnegative_strides(out, name)
 
 
 def check_slots_in_range(slots, num_slots: int) -> None:
@@ -575,9 +577,7 @@ def check_layer(layer, device: str):
         if layer.shape != ():
             raise ValueError(f"layer: expected an int or an array of shape [], got shape "
                              f"{fmt_shape(layer.shape)}")
-        if layer.device != device:
-            raise ValueError(f"layer: expected device {device} (that of the caches), got "
-                             f"{layer.device}")
+        check_device(layer, "layer", device, owner="the caches")
         return layer
     if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
         raise TypeError(f"layer: expected None, an int or an int32 array of shape [], got "

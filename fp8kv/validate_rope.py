@@ -14,8 +14,9 @@ import numpy as np
 from .arrays import ArrayInfo, fmt_shape
 from .formats import E4M3, FORMAT_OF_DTYPE, INPUT_DTYPES, SLOT_DTYPES, Format
 from .modes import SideScale
-from .validate import (WriteArgs, check_choice, check_contiguous, check_dtype, check_same_device,
-                       check_scale, check_unit_last_stride, check_write)
+from .validate import (WriteArgs, check_choice, check_contiguous, check_dtype,
+                       check_nonnegative_strides, check_out, check_same_device, check_scale,
+                       check_unit_last_stride, check_write)
 
 ROPE_STYLES = ("neox", "gptj")
 COS_SIN_DTYPES = ("float32", "bfloat16", "float16")
@@ -88,14 +89,7 @@ def check_query_scale(query_scale, device: str) -> SideScale:
 def _check_output(out, name: str, shape, dtypes, device: str, array_type: type) -> None:
     if not isinstance(out, array_type):
         raise TypeError(f"{name}: expected None or an array, got {type(out).__name__}")
-    check_dtype(out, name, dtypes)
-    if out.shape != tuple(shape):
-        raise ValueError(f"{name}: expected shape {fmt_shape(shape)}, got {fmt_shape(out.shape)}")
-    if out.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {out.device}")
-    check_unit_last_stride(out, name)
-    if any(s < 0 for s in out.strides):
-        raise ValueError(f"{name}: expected non-negative strides, got {fmt_shape(out.strides)}")
+    check_out(out, name, shape, dtypes, device)
 
 
 def check_rope_write(query, key, value, key_cache=None, value_cache=None, slots=None,
@@ -144,9 +138,7 @@ def check_rope_write(query, key, value, key_cache=None, value_cache=None, slots=
         raise ValueError(f"cos_sin_cache: expected rank 2 [max_position, rotary_dim], got shape "
                          f"{fmt_shape(cos_sin_cache.shape)}")
     check_unit_last_stride(cos_sin_cache, "cos_sin_cache")
-    if cos_sin_cache.strides[0] < 0:
-        raise ValueError(f"cos_sin_cache: expected non-negative strides, got "
-                         f"{fmt_shape(cos_sin_cache.strides)}")
+    check_nonnegative_strides(cos_sin_cache, "cos_sin_cache")
     rotary = check_rotary_dim(rotary_dim, cos_sin_cache, head_dim)
     qs = check_query_scale(query_scale, device)
     fp8 = query_scale is not None

@@ -404,11 +404,11 @@ def _dequantize(op: str, args: tuple, outs, dtype, layout, fp8_format, null_page
         label = _OUT_NAMES[name]
         out_info[name] = info(out, label)
         if name == "table_out":
-            check_out(out_info[name], label, table_shape, "int32", device)
+            check_out(out_info[name], label, table_shape, ("int32",), device)
             if not out.is_contiguous():
                 raise ValueError(f"{label}: expected a contiguous new_block_table")
         else:
-            check_out(out_info[name], label, shape, valid.out_dtype, device)
+            check_out(out_info[name], label, shape, (valid.out_dtype,), device)
     backend = _backend(first, ARGUMENTS[op][0])
     if not launch:   # the custom op's fake: validation only (no plan, which Dynamo would trace)
         return outs
