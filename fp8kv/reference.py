@@ -321,7 +321,6 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
         raise ValueError("head_dim: expected an int with an inline scale cache (the last dimension "
                          "is head_dim + 4 or head_dim + 16), got None")
     table = np.asarray(block_table).astype(np.int64)
-    batch, pages_per_seq = table.shape
     results = []
     for side, cache, scale, scale_cache in (("key", key_cache, key_scale, key_scale_cache),
                                             ("value", value_cache, value_scale, value_scale_cache)):
@@ -330,7 +329,7 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
         cache = np.asarray(cache)
         fmt = resolve_format(cache.dtype.name, fp8_format)
         pages = _pages_view(cache.view(np.uint8), layout)
-        num_pages, page_size, num_heads, width = pages.shape
+        num_heads, width = pages.shape[2:]
         inline = isinstance(scale_cache, str)
         if inline:
             check_inline_pad(width, head_dim, f"{side}_cache")
@@ -349,19 +348,34 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
                                             f"{side}_scale_cache")
                 side_scales = view[..., None]                   # [P, S, H or 1, 1]
         static = _scale_array(scale, num_heads)
-        out = np.zeros((batch * pages_per_seq, page_size, num_heads, data_dim), np_dtype(dtype))
-        for i, page in enumerate(table.reshape(-1)):
-            padding = page < 0 or page >= num_pages or (null_page is not None and page == null_page)
-            if not padding:
-                s = static if side_scales is None else side_scales[page]
-                out[i] = dequantize(pages[page, ..., :data_dim], s, fmt, dtype)
-        if cache.ndim == 3:
-            out = out[:, 0]
-        elif layout == "HND":
-            out = np.ascontiguousarray(out.transpose(0, 2, 1, 3))
-        results.append(out)
-    new_table = np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, pages_per_seq)
-    return results[0], results[1], new_table
+
+        def page_values(page):   # called within this iteration: its variables are current
+            s = static if side_scales is None else side_scales[page]
+            return dequantize(pages[page, ..., :data_dim], s, fmt, dtype)
+
+        results.append(_compact_pages(table, null_page, pages.shape, data_dim, dtype, cache.ndim,
+                                      layout, page_values))
+    return results[0], results[1], _renumbered_table(table)
+
+
+def _compact_pages(table, null_page, pages_shape, data_dim, dtype, rank, layout, page_values):
+    """The pages ``table`` names, in its order, as one ``[batch * pages_per_seq, ...]`` array of
+    ``dtype`` in the caches' layout and rank: entry ``i`` is ``page_values(page)`` ([S, H,
+    data_dim]), or zeros for a padding entry (negative, past the cache, or ``null_page``)."""
+    num_pages, page_size, num_heads = pages_shape[:3]
+    out = np.zeros((table.size, page_size, num_heads, data_dim), np_dtype(dtype))
+    for i, page in enumerate(table.reshape(-1)):
+        padding = page < 0 or page >= num_pages or (null_page is not None and page == null_page)
+        if not padding:
+            out[i] = page_values(page)
+    if rank == 3:
+        return out[:, 0]
+    return np.ascontiguousarray(out.transpose(0, 2, 1, 3)) if layout == "HND" else out
+
+
+def _renumbered_table(table):
+    """The compact cache's block table: entry ``i`` (row-major) names page ``i``."""
+    return np.arange(table.size, dtype=np.int32).reshape(table.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -602,27 +616,21 @@ def _dequantize_pages_nvfp4(key_cache, value_cache, block_table, key_scale, valu
                             layout, null_page, key_scale_cache, value_scale_cache, out_scale):
     """:func:`dequantize_pages` of an nvfp4 cache: pages of ``2 x`` the caches' last dimension."""
     table = np.asarray(block_table).astype(np.int64)
-    batch, pages_per_seq = table.shape
     results = []
     for cache, scale, blocks in ((key_cache, key_scale, key_scale_cache),
                                  (value_cache, value_scale, value_scale_cache)):
         cache = np.asarray(cache)
         pages = _pages_view(cache.view(np.uint8), layout)
         scales = _pages_view(np.asarray(blocks).view(np.uint8), layout)
-        num_pages, page_size, num_heads, width = pages.shape
+        num_heads, width = pages.shape[2:]
         g = _scale_array(scale, num_heads)
-        out = np.zeros((batch * pages_per_seq, page_size, num_heads, 2 * width), np_dtype(dtype))
-        for i, page in enumerate(table.reshape(-1)):
-            padding = page < 0 or page >= num_pages or (null_page is not None and page == null_page)
-            if not padding:
-                out[i] = dequantize_nvfp4(pages[page], scales[page], g, dtype, out_scale)
-        if cache.ndim == 3:
-            out = out[:, 0]
-        elif layout == "HND":
-            out = np.ascontiguousarray(out.transpose(0, 2, 1, 3))
-        results.append(out)
-    new_table = np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, pages_per_seq)
-    return results[0], results[1], new_table
+
+        def page_values(page):   # called within this iteration: its variables are current
+            return dequantize_nvfp4(pages[page], scales[page], g, dtype, out_scale)
+
+        results.append(_compact_pages(table, null_page, pages.shape, 2 * width, dtype, cache.ndim,
+                                      layout, page_values))
+    return results[0], results[1], _renumbered_table(table)
 
 
 # ---------------------------------------------------------------------------------------------
