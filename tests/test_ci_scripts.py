@@ -6,6 +6,7 @@ records what it is asked to do (pip, the version check, pytest) instead of doing
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ def _bare_path(tmp_path: Path) -> str:
     (nor pyenv): no leg's interpreter can be found on it."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("bash", "dirname", "mktemp", "rm", "cat", "grep", "sleep"):
+    for tool in ("bash", "dirname", "mktemp", "rm", "cat", "grep", "sleep", "df"):
         (bin_dir / tool).symlink_to(shutil.which(tool))
     return str(bin_dir)
 
@@ -180,6 +181,8 @@ def test_a_failed_setup_fails_its_leg_with_its_log_and_the_others_run(tmp_path):
     assert got.returncode == 1, got
     assert "leg oldest: setup failed (exit 1); its log:" in got.stderr
     assert "ERROR: No matching distribution found for torch==2.13.0" in got.stderr
+    assert re.search(r"^leg oldest: \d+ GB free in \S+ \(the four legs' venvs take about 13 GB\)$",
+                     got.stderr, re.M), got.stderr
     assert "ci_leg.sh: unknown leg 'nope' (oldest, newest, torch214, jax)" in got.stderr
     assert "leg newest: pytest collected no tests" in got.stderr
     assert "pytest ran in .venv-oldest" not in got.stdout
