@@ -49,7 +49,7 @@ def test_readme_test_command_is_what_ci_runs():
     """The command the README gives is the one .ci/run runs in every leg (and the GPU script)."""
     assert f"```bash\n{TEST_COMMAND}\n```" in README
     ci = (ROOT / ".ci" / "run").read_text()
-    assert f'{TEST_COMMAND} "${{LEG_ARGS[@]}}" "$@"' in ci
+    assert f'{TEST_COMMAND} "${{LEG_ARGS[@]}}" "${{LEG_MUST_RUN[@]}}" "$@"' in ci
     gpu = (ROOT / "scripts" / "gpu.sh").read_text()
     assert "python -m pytest tests fp8kv_torch fp8kv_jax --doctest-modules" in gpu.replace(
         '"$PY"', "python")
