@@ -1,7 +1,9 @@
-"""``python -m bench [--out DIR] [--only NAMES] [--quick]``: every table of ``bench.tables``.
+"""``python -m bench [--out DIR] [--only NAMES] [--quick] [--no-plots]``: every table of
+``bench.tables``.
 
-Prints a progress line per table (``[3/12] dequant ... 41 s``) and the total time; writes one CSV
-and one PNG per table and ``summary.md`` to ``--out``. The exit status is 1 when any table (or a
+Prints one line per entry of ``bench.tables`` (``[3/12] dequant ... 41 s: dequant``, the tables it
+made), then where the files are and the total time; writes one CSV and one PNG per table (no PNG
+with ``--no-plots``) and ``summary.md`` to ``--out``. The exit status is 1 when any table (or a
 part of one) failed: the summary still lists what ran, and what failed, and why.
 
 Without a CUDA GPU only a short harness check runs, through Triton's CPU interpreter: its numbers
@@ -57,6 +59,9 @@ def _parse(argv, entries=ENTRIES):
     p.add_argument("--quick", action="store_true",
                    help="every table, with fewer sizes and shorter timings (a GPU smoke run of "
                         "about a minute); no effect without a GPU")
+    p.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="CSV files and summary.md only, no PNG (the layout of the runs kept in "
+                        "bench/results/)")
     args = p.parse_args(argv)
     if args.only is not None:
         args.only = {name.strip() for name in args.only.split(",") if name.strip()}
@@ -66,7 +71,7 @@ def _parse(argv, entries=ENTRIES):
     return args
 
 
-def _header(device: str, versions: str, copy_gbps: float, cuda: bool, cfg) -> str:
+def _header(device: str, versions: str, copy_gbps: float, cuda: bool, cfg, date: str) -> str:
     copy_how = (f"device-to-device torch copy of {cfg.copy_bytes >> 20} MiB, do_bench median"
                 if cuda else f"CPU torch copy of {cfg.copy_bytes >> 20} MiB, perf_counter median")
     n = cfg.graph_calls
@@ -81,12 +86,13 @@ def _header(device: str, versions: str, copy_gbps: float, cuda: bool, cfg) -> st
              if cuda else
              "**No CUDA GPU: this is a harness check, not a benchmark.** Tiny sizes run through "
              "Triton's CPU interpreter (`eager` = perf_counter median, `eager-wall` = the same "
-             "back-to-back loop as on a GPU); the times, GB/s and % of copy below only show that "
-             "the harness works and say nothing about fp8kv's speed or how it compares. Every "
+             "back-to-back loop as on a GPU); the times below (and the GB/s in the CSV files) "
+             "only show that the harness works and say nothing about fp8kv's speed or how it "
+             "compares, so the tables and plots show times only. Every "
              f"CSV row says so in its `label` column (\"{CPU_LABEL}\").")
     title = "## Benchmarks" if cuda else f"## Benchmarks ({CPU_LABEL})"
     return "\n".join([
-        title, "", f"{device}; {versions}.", "",
+        title, "", f"{device}; {versions}; run on {date} (UTC).", "",
         f"Copy bandwidth (bytes read + written, {copy_how}): **{copy_gbps:.0f} GB/s**; "
         "\"% of copy\" is relative to it.", "",
         "Time: median per call in microseconds. GB/s: the minimal bytes of one call (each input "
@@ -113,9 +119,10 @@ def _builder(entry):
 class _Run:
     """What the builders are called with, and JAX, loaded once for every JAX entry."""
 
-    def __init__(self, device, cfg, timer, copy_gbps: float, cuda: bool, out: Path):
+    def __init__(self, device, cfg, timer, copy_gbps: float, cuda: bool, out: Path,
+                 plots: bool = True):
         self.device, self.cfg, self.timer = device, cfg, timer
-        self.copy_gbps, self.cuda, self.out = copy_gbps, cuda, out
+        self.copy_gbps, self.cuda, self.out, self.plots = copy_gbps, cuda, out, plots
         self._jax = None   # (jax, fp8kv_jax) or the reason they cannot be used
 
     def jax(self):
@@ -127,66 +134,80 @@ class _Run:
         return (self._jax, None) if isinstance(self._jax, tuple) else (None, self._jax)
 
 
-def _run_entry(entry, run: _Run, report) -> tuple[int, str]:
-    """Run one entry; returns ``(tables made, what to add to its progress line)``. Raises what its
-    builder raises."""
+def _run_entry(entry, run: _Run, report) -> str:
+    """Run one entry; returns what its progress line says: the tables it made (their files'
+    names), or why it made none. Raises what its builder raises."""
     from .results import Table
 
     build = _builder(entry)
     if entry.kind == "section":
-        report.section(entry.name, build(run.out))
-        return 1, ""
+        report.section(entry.name, build(run.out, run.plots))
+        return entry.name
     if entry.kind == "torch":
         made = build(run.device, run.cfg, run.timer, run.copy_gbps)
     else:
         loaded, reason = run.jax()
         if loaded is None:
-            return 0, reason
+            return reason
         jax, fp8kv_jax = loaded
         if entry.kind == "jax-rows":
             table = report.tables.get(entry.needs)
             if table is None:
-                return 0, f"skipped: no {entry.needs} table in this run"
+                return f"skipped: no {entry.needs} table in this run"
             build(jax, fp8kv_jax, run.cfg, table)
-            made = table
+            report.emit(table)
+            return f"rows added to {table.key}"
         else:
             made = build(jax, fp8kv_jax, run.cfg, run.copy_gbps, run.cuda)
-    count, said = 0, []
+    said = []
     for table in [made] if isinstance(made, Table) else made:
         if entry.kind == "jax" and not run.cuda and table.rows:
             table.note(JAX_CPU_NOTE)
         report.emit(table)
-        count += 1
         if table.failures:
             report.fail_part(f"{entry.name}: table {table.key}", table)
             said.append(f"{table.key} FAILED in part")
         elif not table.rows:
-            said.append(f"{table.key}: no rows, " + "; ".join(table.notes))
-    return count, "; ".join(said)
+            said.append(f"{table.key} has no rows (" + "; ".join(table.notes) + ")")
+        else:
+            said.append(table.key)
+    return ", ".join(said)
 
 
 def run_entries(entries, run: _Run, report) -> None:
-    """Each entry with its progress line, ``[i/N] name ... seconds``; a failing entry is reported
-    (traceback, a FAILED line and a summary note) and the run goes on."""
+    """One line per entry: ``[i/N] name ...`` when it starts, completed with its time and the
+    tables it made (or why it made none) when it ends. A failing entry is reported (traceback,
+    a FAILED line and a summary note) and the run goes on."""
     from .common import free_memory
 
     jax_reason_noted = False
     for i, entry in enumerate(entries, 1):
-        tag = f"[{i}/{len(entries)}] {entry.name}"
-        print(f"{tag} ...", flush=True)
+        tag = f"[{i}/{len(entries)}] {entry.name} ..."
+        print(tag, end="", flush=True)
         start = time.perf_counter()
         try:
-            count, said = _run_entry(entry, run, report)
+            said = _run_entry(entry, run, report)
         except Exception:
+            print(flush=True)   # the traceback goes on lines of its own, then the line again
             report.fail(entry.name)
-            count, said = 0, "FAILED"
+            said = "FAILED"
+            print(tag, end="")
         seconds = time.perf_counter() - start
         if said.startswith("skipped") and entry.kind.startswith("jax") and not jax_reason_noted:
             jax_reason_noted = True
             report.add_note(f"JAX tables {said}")
-        tables = f", {count} tables" if count > 1 else ""
-        print(f"{tag} ... {seconds:.0f} s{tables}" + (f" ({said})" if said else ""), flush=True)
+        print(f" {seconds:.0f} s" + (f": {said}" if said else ""), flush=True)
         free_memory()
+
+
+def _files_line(out: Path, report, plots: bool) -> str:
+    """Where the run's files are, and which."""
+    tables = len(report.files)
+    kinds = "a CSV and a PNG" if plots else "a CSV"
+    extra = ""
+    if "accuracy" in report.sections:
+        extra = ", accuracy.csv" + (" + accuracy.png" if plots else "")
+    return f"wrote {out}/: summary.md, {kinds} per table with rows ({tables}){extra}"
 
 
 def main(argv=None) -> int:
@@ -216,9 +237,10 @@ def main(argv=None) -> int:
     print(f"{name}: copy bandwidth {copy_gbps:.0f} GB/s (bytes read + written)", flush=True)
     versions = (f"torch {torch.__version__}, triton {triton.__version__}, Python "
                 f"{platform.python_version()}")
-    report = Report(args.out, _header(name, versions, copy_gbps, cuda, cfg), copy_gbps,
-                    label="" if cuda else CPU_LABEL)
-    run = _Run(device, cfg, timer, copy_gbps, cuda, args.out)
+    date = time.strftime("%Y-%m-%d", time.gmtime())
+    report = Report(args.out, _header(name, versions, copy_gbps, cuda, cfg, date), copy_gbps,
+                    label="" if cuda else CPU_LABEL, bandwidth=cuda, plots=args.plots)
+    run = _Run(device, cfg, timer, copy_gbps, cuda, args.out, args.plots)
     # JAX, imported by the first JAX entry, may change the environment (jax_triton 0.3.1 clears
     # TRITON_CACHE_DIR): it is restored when the run ends. Donation is a no-op on some backends
     # (the CPU); that is not news in a benchmark log.
@@ -226,11 +248,7 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", message=".*donated buffers.*")
         run_entries(entries, run, report)
 
-    print("\n" + report.markdown())
-    files = report.files
-    print(f"wrote {args.out}/: summary.md, {len(files)} tables with CSV + PNG"
-          + (", accuracy.csv + accuracy.png" if "accuracy" in report.sections else "")
-          + f" ({len(report.order)} sections in summary.md)")
+    print(_files_line(args.out, report, args.plots))
     total = time.perf_counter() - started
     status = 1 if report.failures else 0
     print(f"total {total:.0f} s, {len(entries)} entries: "

@@ -251,20 +251,23 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
-def run(out_dir: pathlib.Path) -> list[dict]:
-    """Measure every configuration; write ``accuracy.csv`` and ``accuracy.png`` into ``out_dir``."""
+def run(out_dir: pathlib.Path, plots: bool = True) -> list[dict]:
+    """Measure every configuration; write ``accuracy.csv`` (and, with ``plots``,
+    ``accuracy.png``) into ``out_dir``."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = measure()
     write_csv(rows, out_dir / "accuracy.csv")
-    plot(rows, out_dir / "accuracy.png")
+    if plots:
+        plot(rows, out_dir / "accuracy.png")
     return rows
 
 
-def section(out_dir: pathlib.Path) -> str:
+def section(out_dir: pathlib.Path, plots: bool = True) -> str:
     """:func:`run`, and the results as a section of ``summary.md`` (what ``python -m bench``
     shows)."""
-    rows = run(out_dir)
+    rows = run(out_dir, plots)
+    image = ["![Attention accuracy of an FP8 KV cache per scale scheme](accuracy.png)", ""]
     return "\n".join([
         "### Attention accuracy of an FP8 KV cache per scale scheme (NumPy: real data, not a "
         "timing)", "",
@@ -274,8 +277,7 @@ def section(out_dir: pathlib.Path) -> str:
         f"{HEAD_DIM}) over bf16 K/V against the same attention over K/V written to an FP8 cache "
         "and read back as bf16; `plain` and `outliers` K/V (see bench/accuracy.py). Errors are "
         "relative L2 and max abs of the attention output, and relative L2 of K and V.", "",
-        markdown(rows), "",
-        "![Attention accuracy of an FP8 KV cache per scale scheme](accuracy.png)", ""])
+        markdown(rows), ""] + (image if plots else []))
 
 
 def main(argv=None) -> None:

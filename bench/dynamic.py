@@ -38,8 +38,9 @@ def table_dynamic(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
                   f"{HEADS} kv heads, page {PAGE_SIZE}, bf16 -> e4m3. `write`: {tokens:,} tokens "
                   f"at random slots; `dequantize`: {batch}x{pages_per_seq} pages to bf16; "
                   "`gather`: one sequence's pages of K read as an attention kernel reads them "
-                  "(`cache[pages]`); `graph N`: a CUDA-graph replay of an N-token write. Bytes "
-                  "include the scales (4 per head and token).", plot="bars")
+                  "(`cache[pages]`)" + ("; `graph N`: a CUDA-graph replay of an N-token write"
+                                         if timer.cuda else "")
+                  + ". Bytes include the scales (4 per head and token).", plot="bars")
     for head_dim in cfg.dynamic_head_dims:
         num_pages = tokens // PAGE_SIZE + batch * pages_per_seq + 16
         k = torch.randn(tokens, HEADS, head_dim, dtype=torch.bfloat16, device=device)

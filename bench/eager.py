@@ -141,7 +141,6 @@ def eager_tables(device, cfg: Config, timer, copy_gbps: float):
     tables time calls their own way, not with ``timer``.)"""
     cuda = timer.cuda
     floor_us = _floor_us(device, cfg, cuda)
-    print(f"  eager floor: empty Triton kernel {floor_us:.2f} us per call", flush=True)
     yield table_eager_dequant(device, cfg, cuda, floor_us)
     free_memory()
     yield table_eager_write(device, cfg, cuda, floor_us)

@@ -244,7 +244,7 @@ def _interleaved_us(jax, steps: dict, cfg: Config, synced: bool) -> dict:
     timing ``cfg.eager_calls`` calls of every provider in turn (the order reversed every other
     round); per provider the median round divided by its calls. A host whose load changes
     between rounds then moves every provider alike: timed one after the other, two providers'
-    numbers differed by up to 30 us from that alone (``bench/NOTES.md`` item 23). ``synced``:
+    numbers differed by up to 30 us from that alone (``bench/NOTES.md``, "Modes"). ``synced``:
     ``block_until_ready`` after every call (dispatch and device time add up); otherwise
     back-to-back calls and one ``block_until_ready`` at the end (dispatch of the next call
     overlaps this one's device work).

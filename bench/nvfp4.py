@@ -123,16 +123,18 @@ def table_nvfp4(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
         "random pages. Bytes: bf16 K and V, codes (half a byte per element) and block scales "
         "(1/16 byte), slots or tables. `e4m3` rows: the FP8 cache's call at the same size. "
         "`fp8kv, ...` rows change one entry of fp8kv.plan.NVFP4_WRITE_SIZES / "
-        "NVFP4_DEQUANT_SIZES. `graph N`: CUDA-graph replay of an N-token write.",
+        "NVFP4_DEQUANT_SIZES." + (" `graph N`: CUDA-graph replay of an N-token write."
+                                  if timer.cuda else ""),
         plot="bars")
     mode = "graph" if timer.cuda else timer.modes[0]
+    small = "graph" if timer.cuda else "write"   # the small writes' cases name their mode
 
     _write_rows(table, timer, mode, device, cfg, large, f"write {tokens_case(large)}",
                 WRITE_VARIANTS)
     if timer.cuda:
         table.add_roofline(f"write {tokens_case(large)}", large, write_bytes(large), copy_gbps)
     for tokens in GRAPH_TOKENS if timer.cuda else GRAPH_TOKENS[:2]:
-        _write_rows(table, timer, mode, device, cfg, tokens, f"graph {tokens_case(tokens)}",
+        _write_rows(table, timer, mode, device, cfg, tokens, f"{small} {tokens_case(tokens)}",
                     SMALL_VARIANTS)
 
     pages = batch * pages_per_seq

@@ -25,31 +25,46 @@ def _copy_line(ax, copy_gbps: float) -> None:
                label=f"copy bandwidth ({copy_gbps:.0f} GB/s)")
 
 
-def plot_table(table: Table, copy_gbps: float, path: Path) -> None:
-    """Save ``table`` as a PNG: time and GB/s against size (lines), GB/s per case (bars), or time
-    per call per case (time)."""
+def plot_table(table: Table, copy_gbps: float, path: Path, bandwidth: bool = True) -> None:
+    """Save ``table``'s :func:`figure` as a PNG (nothing for a table without rows)."""
     if not table.rows:
         return
+    fig = figure(table, copy_gbps, bandwidth)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(table: Table, copy_gbps: float, bandwidth: bool = True):
+    """``table`` as a figure: time and GB/s against size (lines), GB/s per case (bars), or time
+    per call per case (time).
+
+    ``bandwidth``: whether GB/s mean anything in this run (a GPU's; on the CPU they are the
+    interpreter's and next to nothing). Without it, or where no row moves bytes, the figure
+    shows time only: no bandwidth panel, no copy-bandwidth line."""
     series = _series(table)
+    bandwidth = bandwidth and any(r.nbytes for r in table.rows)
     if table.plot == "lines":
-        fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(13, 5))
+        fig, axes = plt.subplots(1, 2 if bandwidth else 1, figsize=(13 if bandwidth else 7, 5),
+                                 squeeze=False)
+        ax_t, ax_b = axes[0][0], axes[0][1] if bandwidth else None
         for label, rows in series.items():
             rows = sorted(rows, key=lambda r: r.size)
             style = dict(linestyle=":", color="black") if rows[0].provider == "roofline" else {}
             xs = [r.size for r in rows]
             ax_t.plot(xs, [r.time_us for r in rows], marker="o", label=label, **style)
-            if rows[0].nbytes:   # a floor moves no bytes: time only
+            if ax_b is not None and rows[0].nbytes:   # a floor moves no bytes: time only
                 ax_b.plot(xs, [r.gbps for r in rows], marker="o", label=label, **style)
         ax_t.set(xscale="log", yscale="log", xlabel=table.xlabel, ylabel="time per call (us)",
                  title="latency")
-        ax_b.set(xscale="log", xlabel=table.xlabel, ylabel="GB/s (minimal bytes)",
-                 title="bandwidth")
-        _copy_line(ax_b, copy_gbps)
-        for ax in (ax_t, ax_b):
-            ax.grid(True, which="both", alpha=0.3)
+        ax_t.grid(True, which="both", alpha=0.3)
         ax_t.legend(fontsize=8)
-        ax_b.legend(fontsize=8)
-    elif table.plot == "time":
+        if ax_b is not None:
+            ax_b.set(xscale="log", xlabel=table.xlabel, ylabel="GB/s (minimal bytes)",
+                     title="bandwidth")
+            _copy_line(ax_b, copy_gbps)
+            ax_b.grid(True, which="both", alpha=0.3)
+            ax_b.legend(fontsize=8)
+    elif table.plot == "time" or not bandwidth:
         fig, ax_b = _time_bars(table)
     else:
         cases = list(dict.fromkeys(r.case for r in table.ordered()))
@@ -68,8 +83,7 @@ def plot_table(table: Table, copy_gbps: float, path: Path) -> None:
         ax_b.legend(fontsize=8)
     fig.suptitle(table.full_title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def _time_bars(table: Table):
@@ -93,7 +107,7 @@ def _time_bars(table: Table):
         ax.axhline(r.time_us, color="black", linestyle="--", linewidth=1,
                    label=f"floor: {r.case} ({r.time_us:.3g} us)")
     ax.set_xticks(range(len(cases)), cases, rotation=30, ha="right", fontsize=8)
-    ax.set(ylabel="wall time per call (us)", yscale="log")
+    ax.set(ylabel="time per call (us)", yscale="log")
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.legend(fontsize=8)
     return fig, ax

@@ -1,11 +1,10 @@
-"""What a run writes: one CSV and one PNG per table with rows, and ``summary.md``, rewritten as
-each table is done."""
+"""What a run writes: one CSV (and one PNG, unless ``--no-plots``) per table with rows, and
+``summary.md``, rewritten as each table is done."""
 from __future__ import annotations
 
 import traceback
 from pathlib import Path
 
-from .plot import plot_table
 from .results import Table, markdown, write_csv
 
 
@@ -17,8 +16,11 @@ class Report:
     run's exit status non-zero.
     """
 
-    def __init__(self, out: Path, header: str, copy_gbps: float, label: str = ""):
+    def __init__(self, out: Path, header: str, copy_gbps: float, label: str = "",
+                 bandwidth: bool = True, plots: bool = True):
         self.out, self.header, self.copy_gbps, self.label = out, header, copy_gbps, label
+        self.bandwidth = bandwidth   # GB/s mean something here (a GPU run): columns and panels
+        self.plots = plots           # a PNG per table (--no-plots: CSV and summary.md only)
         self.tables: dict[str, Table] = {}
         self.sections: dict[str, str] = {}    # markdown of what is not a Table, by key
         self.order: list[str] = []
@@ -35,7 +37,9 @@ class Report:
             (self.out / f"{table.key}{suffix}").unlink(missing_ok=True)   # stale files
         if table.rows:
             write_csv(table, self.copy_gbps, self.out / f"{table.key}.csv")
-            plot_table(table, self.copy_gbps, self.out / f"{table.key}.png")
+            if self.plots:
+                from .plot import plot_table   # matplotlib: only where plots are made
+                plot_table(table, self.copy_gbps, self.out / f"{table.key}.png", self.bandwidth)
         self._write_summary()
 
     def fail(self, what: str) -> None:
@@ -68,7 +72,8 @@ class Report:
 
     def markdown(self) -> str:
         parts = [self.header]
-        parts += [markdown(self.tables[k], self.copy_gbps, f"{k}.png") if k in self.tables
+        parts += [markdown(self.tables[k], self.copy_gbps, f"{k}.png" if self.plots else None,
+                           self.bandwidth) if k in self.tables
                   else self.sections[k] for k in self.order]
         parts += [f"- {n}" for n in self.notes]
         return "\n".join(parts) + "\n"

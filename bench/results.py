@@ -50,8 +50,6 @@ class Table:
     def add(self, case, size, provider, mode, time_us, nbytes) -> Row:
         row = Row(case, int(size), provider, mode, float(time_us), int(nbytes))
         self.rows.append(row)
-        print(f"  {self.key:<14} {case:<34} {provider:<14} {mode:<10} {_num(row.time_us):>9} us "
-              f"{_num(row.gbps):>8} GB/s", flush=True)
         return row
 
     def add_roofline(self, case, size, nbytes, copy_gbps: float) -> None:
@@ -59,7 +57,6 @@ class Table:
         self.add(case, size, "roofline", "-", nbytes / copy_gbps / 1e3, nbytes)
 
     def note(self, text: str) -> None:
-        print(f"  {self.key}: {text}", flush=True)
         self.notes.append(text)
 
     def fail(self, text: str) -> None:
@@ -103,20 +100,27 @@ def write_csv(table: Table, copy_gbps: float, path: Path) -> None:
                         f"{r.gbps:.6g}", f"{100 * r.gbps / copy_gbps:.6g}", table.label])
 
 
-def markdown(table: Table, copy_gbps: float, image: str | None = None) -> str:
-    """The table's README section: title, what it measures, the numbers, notes, the plot.
+def markdown(table: Table, copy_gbps: float, image: str | None = None,
+             bandwidth: bool = True) -> str:
+    """The table's section of ``summary.md``: title, what it measures, the numbers, notes, the
+    plot. ``bandwidth``: GB/s and % of copy columns (a GPU run; on the CPU they mean nothing).
 
     A table without rows says why there is no CSV and no plot (its notes)."""
     lines = [f"### {table.full_title}", "", table.description, ""]
     if not table.rows:
         reason = "; ".join(n.rstrip(".") for n in table.notes) or "nothing ran"
         return "\n".join(lines + [f"No rows, so no CSV and no plot: {reason}.", ""])
-    lines += ["| case | provider | mode | time (us) | GB/s | % of copy |",
-              "| --- | --- | --- | ---: | ---: | ---: |"]
-    lines += [f"| {r.case} | {r.provider} | {r.mode} | {_num(r.time_us)} | "
-              + (f"{_num(r.gbps)} | {_num(100 * r.gbps / copy_gbps)} |" if r.nbytes
-                 else "- | - |")
-              for r in table.ordered()]
+    if bandwidth:
+        lines += ["| case | provider | mode | time (us) | GB/s | % of copy |",
+                  "| --- | --- | --- | ---: | ---: | ---: |"]
+        lines += [f"| {r.case} | {r.provider} | {r.mode} | {_num(r.time_us)} | "
+                  + (f"{_num(r.gbps)} | {_num(100 * r.gbps / copy_gbps)} |" if r.nbytes
+                     else "- | - |")
+                  for r in table.ordered()]
+    else:
+        lines += ["| case | provider | mode | time (us) |", "| --- | --- | --- | ---: |"]
+        lines += [f"| {r.case} | {r.provider} | {r.mode} | {_num(r.time_us)} |"
+                  for r in table.ordered()]
     lines.append("")
     lines += [f"- {n}" for n in table.notes]
     if table.notes:

@@ -40,10 +40,12 @@ def _anchor_calls(case, writer) -> list:
 
 
 def table_write_small(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
+    # The title and description say how this machine timed the calls: graph replay on a GPU.
+    how = "CUDA-graph replay" if timer.cuda else "eager calls"
     table = Table(
-        "write_small", "Small writes, CUDA-graph replay (torch)",
+        "write_small", f"Small writes, {how} (torch)",
         f"{HEADS} kv heads x {HEAD_DIM} dims, page {PAGE_SIZE}, bf16 -> e4m3, one device scale, "
-        "random slots; time per call from CUDA-graph replays. `fp8kv`: `fp8kv_torch.write_kv` "
+        f"random slots; time per call from {how}. `fp8kv`: `fp8kv_torch.write_kv` "
         "(exact division). `tiled writer`: the seed-style one-program-per-token writer in "
         "bench/anchors.py (2,048-element tiles over heads x head_dim, 16 warps, scale loaded once "
         "per program, Triton's `/`). `SGLang-style writer`: one program per token, one tile per "

@@ -65,6 +65,10 @@ def check_rotary_dim(rotary_dim, cos_sin_cache: ArrayInfo, head_dim: int) -> int
     given."""
     if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
         raise TypeError(f"rotary_dim: expected None or an int, got {type(rotary_dim).__name__}")
+    # rotary_dim's own rule first: with a wrong rotary_dim, the cache's width is not the mistake.
+    if rotary_dim is not None and (rotary_dim % 2 or not 2 <= rotary_dim <= head_dim):
+        raise ValueError(f"rotary_dim: expected an even int in [2, {head_dim}] (head_dim), got "
+                         f"{rotary_dim}")
     width = cos_sin_cache.shape[1]
     if rotary_dim is not None and rotary_dim != width:
         raise ValueError(f"cos_sin_cache: expected rotary_dim={rotary_dim} columns (cos then sin), "

@@ -38,7 +38,14 @@ from __future__ import annotations
 
 from typing import Union
 
-import jax
+try:
+    import jax
+except ImportError as e:   # JAX is the extra "jax" of fp8kv, not a dependency: say so
+    # (ModuleNotFoundError, an ImportError: what pytest.importorskip and tools expect of a
+    # missing module)
+    raise ModuleNotFoundError(f"fp8kv_jax needs JAX, which cannot be imported ({e}): "
+                              'pip install "fp8kv[jax]" (or "fp8kv[jax-gpu]" for NVIDIA GPUs)',
+                              name="jax") from e
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 

@@ -56,6 +56,8 @@ def _launch(kernel, plan, operands: OperandMap, arrays: dict, new: dict | None =
     (by argument name), each output is aliased to its input (written in place), a new output
     of the shape ``new[argument]`` (a ShapeDtypeStruct), or unused. Returns the written
     arrays by argument name. ``xla``: XLA's Triton call where the kernel's IR allows."""
+    from fp8kv.ops import kernel_for
+    kernel = kernel_for(kernel, interpret=False)   # raises where Triton cannot compile it
     if xla:
         written = _xla_triton.launch(kernel, plan, operands, arrays, new)
         if written is not None:

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
-import torch
+try:
+    import torch
+except ImportError as e:   # torch is the extra "torch" of fp8kv, not a dependency: say so
+    # (ModuleNotFoundError, an ImportError: what pytest.importorskip and tools expect of a
+    # missing module)
+    raise ModuleNotFoundError(f"fp8kv_torch needs PyTorch, which cannot be imported ({e}): "
+                              'pip install "fp8kv[torch]"', name="torch") from e
 
 from fp8kv.spelling import check_flag
 

@@ -2,8 +2,10 @@
 # Source this: `. scripts/ci_leg.sh LEG [VENV]`. Creates (or updates) the virtual environment VENV
 # (default .venv-LEG) with LEG's pinned versions, installs fp8kv editable with its test and bench
 # extras, activates it, and sets LEG_ARGS: the extra pytest arguments of that leg (.ci/run appends
-# them to the README's test command). The pins are the versions CI tests; pyproject.toml's ranges
-# span them. Without an interpreter of the leg's Python version (scripts/find_python.sh) it says
+# them to the README's test command), and LEG_MUST_RUN: the test files the leg must run, as
+# --must-run arguments (tests/conftest.py fails the run, naming the file, when none of a must-run
+# file's tests ran: a module-level importorskip on a broken install is a failure, not a skip).
+# The pins are the versions CI tests; pyproject.toml's ranges span them. Without an interpreter of the leg's Python version (scripts/find_python.sh) it says
 # in one line what to install or set, and returns 3 before making anything.
 #
 #   oldest  Python 3.11, torch 2.13.0 (CPU), triton 3.6.0, jax 0.10.2: the lower bounds (triton
@@ -99,24 +101,36 @@ print(f"[{leg}] Python {sys.version.split()[0]}, " + ", ".join(
     if importlib.util.find_spec(n) is not None))
 PY
 
+# Every leg must run every test file but those it leaves out on purpose (_ci_leave_out: not run
+# at all) and, in the JAX-only leg, those that need torch.
 LEG_ARGS=()
+LEG_MUST_RUN=(--must-run "tests/test_*.py")
+_ci_leave_out() { LEG_ARGS+=(--deselect "$1"); LEG_MUST_RUN+=(--must-run "!$1"); }
 case "$LEG" in
     newest|torch214)
         # Same JAX as the oldest leg: the jnp path and its doctests would run exactly as there,
         # so only what torch and Triton run (interpreter kernels, sm_90 compiles) runs again.
         # The jnp path's tests: tests/test_jax.py and those marked jnp in other files.
         if [ "$JAX_PIN" = "$OLDEST_JAX" ]; then
-            LEG_ARGS+=(--deselect tests/test_jax.py --deselect fp8kv_jax -m "not jnp")
+            _ci_leave_out tests/test_jax.py
+            LEG_ARGS+=(--deselect fp8kv_jax -m "not jnp")
         fi
         if [ "$LEG" = torch214 ]; then   # its torch-facing tests only (see above)
             for _ci_f in jax_glue stacked_jax rope_jax nvfp4_jax xla_triton sharded_jit; do
-                LEG_ARGS+=(--deselect "tests/test_$_ci_f.py")
+                _ci_leave_out "tests/test_$_ci_f.py"
             done
         fi ;;
     jax)
         # fp8kv_torch cannot be imported without torch: its doctest modules are skipped (reported
-        # as such); the torch test modules skip themselves.
-        LEG_ARGS+=(--doctest-ignore-import-errors) ;;
+        # as such); the torch test modules skip themselves, and are the files this leg need not
+        # run.
+        LEG_ARGS+=(--doctest-ignore-import-errors)
+        for _ci_f in bench_imports compile_warnings dequantize dynamic_scales fast_path \
+                     launch_cache nvfp4 parity rope_write stacked_torch tensor_parallel \
+                     torch_integration write; do
+            LEG_MUST_RUN+=(--must-run "!tests/test_$_ci_f.py")
+        done ;;
 esac
 eval "$_ci_leg_opts"
+unset -f _ci_leave_out
 unset _ci_leg_opts _ci_pip _ci_f

@@ -116,9 +116,11 @@ def test_failing_table_fails_the_run(tmp_path):
     assert got.returncode == 1, got.stdout + got.stderr
     out = got.stdout
     progress = [line for line in out.splitlines() if line.startswith("[")]
-    assert progress[0] == "[1/2] write ..." and progress[2] == "[2/2] variants ...", progress
-    assert re.fullmatch(r"\[1/2\] write \.\.\. \d+ s \(FAILED\)", progress[1]), progress
-    assert re.fullmatch(r"\[2/2\] variants \.\.\. \d+ s", progress[3]), progress
+    # The failing entry's line is cut by its traceback (on stderr) and said again with FAILED.
+    assert progress[0] == "[1/2] write ...", progress
+    assert re.fullmatch(r"\[1/2\] write \.\.\. \d+ s: FAILED", progress[1]), progress
+    assert re.fullmatch(r"\[2/2\] variants \.\.\. \d+ s: write_variants", progress[2]), progress
+    assert len(progress) == 3, progress
     assert "total " in out and "1 FAILED (write: RuntimeError: boom: the write table broke)" in out
     assert "RuntimeError: boom" in got.stderr   # the traceback
     summary = (tmp_path / "summary.md").read_text()
@@ -165,8 +167,9 @@ def test_progress_lines_and_total(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "select", lambda only, cuda: list(two))
     assert cli.main(["--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "[1/2] rows ..." in out and "[2/2] empty ..." in out
-    assert re.search(r"\[2/2\] empty \.\.\. \d+ s \(t_empty: no rows, skipped: needs a GPU\)", out)
+    assert re.search(r"^\[1/2\] rows \.\.\. \d+ s: t_rows$", out, re.M), out
+    assert re.search(r"^\[2/2\] empty \.\.\. \d+ s: t_empty has no rows \(skipped: needs a "
+                     r"GPU\)$", out, re.M), out
     assert "none failed" in out
     assert (tmp_path / "t_rows.csv").exists() and (tmp_path / "t_rows.png").exists()
     assert not (tmp_path / "t_empty.csv").exists() and not (tmp_path / "t_empty.png").exists()
@@ -177,6 +180,6 @@ def test_progress_lines_and_total(tmp_path, monkeypatch, capsys):
                         lambda only, cuda: [Entry("partly", "write_torch:partly", "torch")])
     assert cli.main(["--out", str(tmp_path / "partly")]) == 1
     out = capsys.readouterr().out
-    assert re.search(r"\[1/1\] partly \.\.\. \d+ s \(t_partly FAILED in part\)", out)
+    assert re.search(r"^\[1/1\] partly \.\.\. \d+ s: t_partly FAILED in part$", out, re.M), out
     summary = (tmp_path / "partly" / "summary.md").read_text()
     assert "FAILED in part" in summary and "16 tokens: ValueError: no" in summary

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")   # the bench measures the torch frontend beside the JAX one
 
 MODULES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "bench").glob("*.py"))
-NEEDS_MATPLOTLIB = ("plot", "report")   # the `bench` extra; every other module imports without it
+NEEDS_MATPLOTLIB = ("plot",)   # the `bench` extra; every other module imports without it
 
 
 @pytest.mark.parametrize("module", MODULES)

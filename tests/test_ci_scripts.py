@@ -23,9 +23,11 @@ def _bare_path(tmp_path: Path) -> str:
     """A PATH with the few tools the scripts call before they look for Python, and no Python
     (nor pyenv): no leg's interpreter can be found on it."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for tool in ("bash", "dirname", "mktemp", "rm", "cat", "grep", "sleep", "df"):
-        (bin_dir / tool).symlink_to(shutil.which(tool))
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        for tool in ("bash", "dirname", "mktemp", "rm", "cat", "grep", "sleep", "df", "tar",
+                     "mkdir", "ln", "ls"):
+            (bin_dir / tool).symlink_to(shutil.which(tool))
     return str(bin_dir)
 
 
@@ -93,8 +95,8 @@ def test_test_sh_runs_ci_run(tmp_path):
 
 
 # A stand-in for a leg's venv: its ``python`` (a bash script) logs every call to calls.log (and
-# pytest's arguments, one a line, to pytest-args), makes
-# its pip installs wait until the other stand-in legs have started theirs (so that setups one
+# pytest's arguments, one a line, to pytest-args; its working directory and own path to
+# pytest-where, the directory's entries to pytest-tree), makes its pip installs wait until the other stand-in legs have started theirs (so that setups one
 # after another would time out), and fails where told to (FAIL_PIP: the pins' install; PYTEST_RC:
 # the test command's status). ``python -c`` (ci_leg.sh's lock around the editable install) runs
 # the real interpreter.
@@ -115,6 +117,7 @@ case "$1 $2" in
             echo "ERROR: No matching distribution found for $FAIL_PIP" >&2; exit 1
         fi ;;
     "-m pytest") printf '%s\n' "${@:3}" > "$here/pytest-args"
+                 printf '%s\n' "$PWD" "$0" > "$here/pytest-where"; ls -A > "$here/pytest-tree"
                  echo "pytest ran in ${here##*/}"; exit "${PYTEST_RC:-0}" ;;
     "- "*) cat > /dev/null; echo "[$2] Python $3 (stand-in)" ;;
     "-c "*) exec REAL_PYTHON "$@" ;;
@@ -205,6 +208,92 @@ def test_torch214_leaves_out_the_test_files_of_fp8kv_jax_alone(tmp_path):
         "jax_glue", "stacked_jax", "rope_jax", "nvfp4_jax", "xla_triton", "sharded_jit")], args
     assert all((ROOT / f).is_file() for f in left_out if f.endswith(".py")), left_out
     assert ["-m", "not jnp"] in [args[i:i + 2] for i in range(len(args))], args
+
+
+def test_legs_run_in_a_copy_named_fp8kv_with_their_venvs_inside(tmp_path):
+    """.ci/run's tests run where a clone named fp8kv would run them, whatever this checkout is
+    called: a copy of the working tree at <tmp>/fp8kv-ci.*/fp8kv (no .git, no venvs of its own),
+    the leg's python started through a link inside it (so its files' paths contain "fp8kv")."""
+    venvs = _stand_in_venvs(tmp_path, {"oldest": {}})
+    got = _ci_run(tmp_path, "oldest", venvs)
+    assert got.returncode == 0, got
+    cwd, python = (venvs / ".venv-oldest" / "pytest-where").read_text().splitlines()
+    assert re.fullmatch(rf"{re.escape(str(tmp_path))}/fp8kv-ci\.\w+/fp8kv", cwd), cwd
+    assert python == f"{cwd}/.venv-oldest/bin/python"
+    tree = set((venvs / ".venv-oldest" / "pytest-tree").read_text().split())
+    assert {"README.md", "pyproject.toml", "tests", "fp8kv", ".ci", ".venv-oldest"} <= tree
+    assert not tree & {".git", ".venv", "build", "fp8kv.egg-info"}, tree
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "venvs"]   # the copy is gone
+
+
+def _must_run(args: list) -> list:
+    return [a for d, a in zip(args, args[1:]) if d == "--must-run"]
+
+
+def _torch_test_files() -> set:
+    """The test files that skip whole without torch (a module-level importorskip)."""
+    return {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")
+            if re.search(r'^(\w+ = )?pytest\.importorskip\("torch"\)', p.read_text(), re.M)}
+
+
+def test_each_leg_declares_the_files_it_must_run(tmp_path):
+    """Every test file, less what the leg leaves out (and, without torch, the torch files); no
+    declared name is stale. With arguments of the caller's (a subset) the check is off."""
+    from tests.conftest import must_run_files
+
+    legs = ("oldest", "newest", "torch214", "jax")
+    venvs = _stand_in_venvs(tmp_path, {leg: {} for leg in legs})
+    got = _ci_run(tmp_path, " ".join(legs), venvs)
+    assert got.returncode == 0, got
+    every = sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py"))
+    deselected = {}
+    for leg in legs:
+        args = (venvs / f".venv-{leg}" / "pytest-args").read_text().splitlines()
+        files, stale = must_run_files(ROOT, _must_run(args))
+        assert stale == [], (leg, stale)
+        deselected[leg] = {a for d, a in zip(args, args[1:]) if d == "--deselect"}
+        left_out = set(every) - set(files)
+        if leg == "jax":
+            assert left_out == _torch_test_files() and len(left_out) == 13, left_out
+        else:
+            assert left_out == deselected[leg] - {"fp8kv_jax"}, (leg, left_out)
+    assert deselected["oldest"] == set() and len(deselected["torch214"]) == 8
+    got = _ci_run(tmp_path, "oldest", venvs, "-k", "rope")
+    args = (venvs / ".venv-oldest" / "pytest-args").read_text().splitlines()
+    assert _must_run(args) == [] and args[-2:] == ["-k", "rope"], args
+
+
+# A framework that cannot be imported, as on a broken install: what `import torch` then meets.
+BLOCKED_TORCH = 'raise ModuleNotFoundError("No module named \'torch\' (blocked)", name="torch")\n'
+
+
+def _pytest_without_torch(tmp_path, *args) -> subprocess.CompletedProcess:
+    blocked = tmp_path / "blocked"
+    (blocked / "torch").mkdir(parents=True, exist_ok=True)
+    (blocked / "torch" / "__init__.py").write_text(BLOCKED_TORCH)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocked), str(ROOT)]))
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_write.py", "tests/test_frontend_imports.py", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_a_must_run_file_that_skips_whole_fails_the_run_naming_it(tmp_path, workers):
+    must = ["--must-run", "tests/test_write.py", "--must-run", "tests/test_frontend_imports.py"]
+    got = _pytest_without_torch(tmp_path, *workers, *must)
+    assert got.returncode == 1, got.stdout + got.stderr
+    assert ("tests/test_write.py: none of its tests ran (skipped: could not import 'torch': No "
+            "module named 'torch' (blocked))") in got.stdout, got.stdout
+    assert "tests/test_frontend_imports.py" not in got.stdout.split("(--must-run)")[1]
+    plain = _pytest_without_torch(tmp_path, *workers)   # not declared: a skip, as before
+    assert plain.returncode == 0 and "1 skipped" in plain.stdout, plain.stdout + plain.stderr
+
+
+def test_a_must_run_name_that_names_no_file_fails(tmp_path):
+    got = _pytest_without_torch(tmp_path, "--must-run", "tests/test_frontend_imports.py",
+                                "--must-run", "!tests/test_renamed.py")
+    assert got.returncode == 1, got.stdout + got.stderr
+    assert "--must-run !tests/test_renamed.py: matches no test file" in got.stdout
 
 
 @pytest.mark.jnp

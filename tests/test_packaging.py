@@ -1,5 +1,6 @@
 """The declared dependency ranges admit every version that is tested (CI's legs and the GPU
-suite), the README's version table says the same, and the license file matches the metadata."""
+suite), the README's version table says the same, the license file matches the metadata, and
+the package description (the wheel's) stands alone."""
 from __future__ import annotations
 
 import re
@@ -80,3 +81,34 @@ def test_license_matches_metadata():
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
     assert "Copyright 2026 The fp8kv authors" in text
+
+
+DESCRIPTION = ROOT / PYPROJECT["project"]["readme"]
+
+
+def test_package_description_stands_alone():
+    """The wheel's description is a short file of its own, not the README: it names no file of
+    the repository (the wheel has none of them) and links nowhere."""
+    assert PYPROJECT["project"]["readme"] == "DESCRIPTION.md"
+    text = DESCRIPTION.read_text()
+    assert len(text.splitlines()) <= 60
+    assert not re.search(r"\]\(", text), "a link"
+    named = re.findall(r"[\w./-]+\.(?:md|py|sh|toml|csv)\b|\b(?:docs|bench|scripts|tests|examples)/",
+                       text)
+    assert named == [], named
+
+
+def test_package_description_says_how_to_install():
+    text = DESCRIPTION.read_text()
+    for extra in ("torch", "jax", "jax-gpu"):
+        assert extra in PYPROJECT["project"]["optional-dependencies"]
+        assert f'pip install "fp8kv[{extra}]"' in text, extra
+    cpu_torch = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu_torch in text and cpu_torch in (ROOT / "README.md").read_text()
+
+
+def test_package_description_example_runs():
+    (code,) = re.findall(r"```python\n(.*?)```", DESCRIPTION.read_text(), flags=re.S)
+    assert len(code.strip().splitlines()) <= 12
+    pytest.importorskip("torch")
+    exec(compile(code, "DESCRIPTION.md example", "exec"), {})

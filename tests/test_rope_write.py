@@ -219,6 +219,13 @@ ERRORS = [
      r"cos_sin_cache: expected an even number of columns .* got shape \[16, 66\]"),
     ("rotary-dim-mismatch", good(), dict(rotary_dim=64), ValueError,
      r"cos_sin_cache: expected rotary_dim=64 columns \(cos then sin\), got shape \[16, 32\]"),
+    # rotary_dim's own rule before the cache's width: the cache is 32 wide in these three.
+    ("rotary-dim-odd", good(), dict(rotary_dim=7), ValueError,
+     r"rotary_dim: expected an even int in \[2, 64\] \(head_dim\), got 7"),
+    ("rotary-dim-above-head-dim", good(), dict(rotary_dim=66), ValueError,
+     r"rotary_dim: expected an even int in \[2, 64\] \(head_dim\), got 66"),
+    ("rotary-dim-zero", good(), dict(rotary_dim=0), ValueError,
+     r"rotary_dim: expected an even int in \[2, 64\] \(head_dim\), got 0"),
     ("rotary-dim-float", good(), dict(rotary_dim=32.0), TypeError,
      r"rotary_dim: expected None or an int, got float"),
     ("rotary-dim-bool", good(), dict(rotary_dim=True), TypeError,

@@ -56,5 +56,32 @@ def interpreted(jit_fn: triton.JITFunction):
     return twin
 
 
+def check_compiled_launch() -> None:
+    """Raise a ``RuntimeError`` where Triton cannot compile fp8kv's kernels.
+
+    With ``TRITON_INTERPRET=1`` in the environment when Triton is imported, Triton builds its own
+    library functions (``tl.max``, ``tl.min``, ...) for its interpreter, and a compiled kernel
+    that calls one fails deep inside Triton's compiler; while the variable is set, Triton's
+    compiler also takes some decisions the interpreter's way. fp8kv needs the variable for
+    nothing (CPU tensors run the interpreter twins whatever it says), so the first compiled
+    launch says so instead, the same way for every op and both frontends.
+    """
+    if knobs.runtime.interpret:
+        why = "is set"
+    elif not isinstance(tl.max, triton.JITFunction):
+        why = "was set when Triton was imported"
+    else:
+        return
+    raise RuntimeError(
+        f"fp8kv: TRITON_INTERPRET {why}, so Triton cannot compile fp8kv's kernels for CUDA "
+        "tensors / arrays on the GPU. Unset TRITON_INTERPRET and start the process again: fp8kv "
+        "runs CPU tensors under Triton's interpreter without it.")
+
+
 def kernel_for(jit_fn: triton.JITFunction, interpret: bool):
-    return interpreted(jit_fn) if interpret else jit_fn
+    """The kernel to launch: its interpreter twin, or the compiled function once
+    :func:`check_compiled_launch` passed."""
+    if interpret:
+        return interpreted(jit_fn)
+    check_compiled_launch()
+    return jit_fn
