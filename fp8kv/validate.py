@@ -106,9 +106,11 @@ def check_same_device(named: dict) -> str:
     return first
 
 
-def check_cache(cache: ArrayInfo, layout: str, name: str, combined: bool = False):
-    """Check a cache's dtype, rank and strides; return it as pages (``combined``: K and V)."""
-    check_dtype(cache, name, CACHE_DTYPES)
+def check_cache(cache: ArrayInfo, layout: str, name: str, combined: bool = False,
+                dtypes=CACHE_DTYPES):
+    """Check a cache's dtype (one of ``dtypes``), rank and strides; return it as pages
+    (``combined``: K and V)."""
+    check_dtype(cache, name, dtypes)
     check_unit_last_stride(cache, name)
     half = cache
     if combined:

@@ -54,6 +54,16 @@ class HostArray:
         return tuple(s // self.array.itemsize for s in self.array.strides)
 
 
+def exact(constexprs: dict) -> dict:
+    """``constexprs`` for the interpreter: the exact path (the interpreter rounds like the GPU
+    only there), and a kernel with one constexpr tuple ``C`` (paged attention) its options so."""
+    if "C" in constexprs:
+        c = constexprs["C"]
+        return {**constexprs, "C": c._replace(options=c.options._replace(exact=True,
+                                                                           pipelined=False))}
+    return {**constexprs, "EXACT": True}
+
+
 def interpreted_triton_call(*args, kernel, out_shape, grid, num_warps, enable_fp_fusion,
                             input_output_aliases, name, **constexprs):
     arrays = [a for a in args if isinstance(a, jax.Array)]
@@ -80,7 +90,7 @@ def interpreted_triton_call(*args, kernel, out_shape, grid, num_warps, enable_fp
                                       *(s.item() if isinstance(s, np.float32) else s
                                         for s in scalars),
                                       *map(HostArray, outs), num_warps=num_warps,
-                                      **{**constexprs, "EXACT": True})
+                                      **exact(constexprs))
         return tuple(outs)
 
     return jax.pure_callback(run, tuple(out_shape), *arrays)
@@ -104,7 +114,7 @@ def interpreted_xla_call(call, ir_bytes: bytes, arrays: dict, new) -> list:
                 for o, s in enumerate(out_shapes)]
         pointers = {p: HostArray(a) for (p, _), a in zip(call.inputs + call.outputs,
                                                          inputs + outs)}
-        ops.interpreted(call.kernel)[call.grid](**pointers, **{**constants, "EXACT": True},
+        ops.interpreted(call.kernel)[call.grid](**pointers, **exact(constants),
                                                num_warps=call.num_warps)
         return tuple(outs)
 

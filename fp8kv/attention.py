@@ -1,0 +1,640 @@
+"""``paged_attention``: checks, launch plan, operand map and NumPy reference (docs/SPEC.md section 16).
+
+The kernels are :mod:`fp8kv.ops.paged_attention`. Everything a kernel's constexprs describe is one
+named tuple here (the caches' rows, how each side is read, the tiles, the options), made from the
+validated call (:class:`AttentionArgs`) by :func:`plan_attention`; both frontends launch what it
+returns and nothing else.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from numbers import Real
+from typing import NamedTuple
+
+import numpy as np
+import triton
+
+from .arrays import ArrayInfo, fmt_shape
+from .formats import FORMATS, Format
+from .layout import LAYOUTS, Layers, PagedCache
+from .modes import OUT_KIND_OF_DTYPE, LayerKind, ScaleKind, SideScale
+from .operands import Operand, OperandMap
+from .plan import CUDA, INTERPRET, LaunchPlan
+from . import reference, validate
+
+QUERY_DTYPES = ("bfloat16", "float16")
+PLAIN_DTYPES = QUERY_DTYPES            # unquantized caches: read as stored
+MAX_QUERY_LEN = 16                     # query tokens per sequence (speculative decoding, MTP)
+MAX_HEAD_DIM = 256
+
+# How a side's elements become MMA operands (Reading.kind) and where its dynamic scales are
+# (Reading.columns); the kernels compare these ids.
+READ_PLAIN, READ_FP8, READ_NVFP4 = 0, 1, 2
+COLUMNS_NONE, COLUMNS_ARRAY, COLUMNS_INLINE = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels' constexprs.
+
+class CodeFormat(NamedTuple):
+    """The fields of an FP8 format row that its exact conversion to fp16 reads."""
+
+    exp_bits: int
+    man_bits: int
+    bias: int
+    has_inf: bool
+    nan_magnitude: int
+    unit: float          # 2**(15 - bias): the magnitude's bits in fp16's field, rescaled
+
+    @classmethod
+    def of(cls, fmt: Format) -> "CodeFormat":
+        return cls(fmt.exp_bits, fmt.man_bits, fmt.bias, fmt.has_inf, fmt.inf_magnitude,
+                   2.0 ** (15 - fmt.bias))
+
+
+class Reading(NamedTuple):
+    """How one side (K or V) is read: ``kind`` (READ_*), the code format (FP8) or the block
+    scales' (NVFP4), the static scale kind (a ScaleKind id), where dynamic scales are
+    (COLUMNS_*), head_dim and its power-of-two tile width, and ``unit``, what the fp16 operand
+    is multiplied by to give the value (NVFP4: 2**8)."""
+
+    kind: int
+    codes: CodeFormat | None
+    block_codes: CodeFormat | None
+    scale: int
+    columns: int
+    head_dim: int
+    block_d: int
+    unit: float
+    plain_bf16: bool = False   # READ_PLAIN: a bf16 (else fp16) cache
+
+
+class Rows(NamedTuple):
+    """A paged array's rows, in its elements: ``offset`` (V of a combined cache) and strides."""
+
+    offset: int
+    stride_page: int
+    stride_slot: int
+    stride_head: int
+    stride_layer: int
+
+
+class QueryRows(NamedTuple):
+    stride_token: int
+    stride_head: int
+
+
+class Geometry(NamedTuple):
+    num_heads: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    page_size: int
+    stride_table_page: int
+
+
+class Tiles(NamedTuple):
+    """``block_m`` query rows x ``warps * block_n`` tokens per step; ``splits`` programs per row
+    tile share the tokens; ``m_tiles`` row tiles per (sequence, kv head); ``stages`` the token
+    loop's software pipelining."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    splits: int
+    m_tiles: int
+    stages: int
+
+
+class Options(NamedTuple):
+    varlen: bool         # query_start_loc: several query tokens per sequence, causal
+    window: bool
+    soft_cap: bool
+    sinks: bool
+    exact: bool
+    out_kind: int
+    pipelined: bool      # the token loop is Triton's pipelined range (compiled kernels)
+    softmax_scale: float  # a model's constants, compiled in (XLA's Triton call compiles in
+    cap: float            # every scalar; a host float may not change per call there)
+
+
+class LayerAxis(NamedTuple):
+    kind: int
+    num_layers: int
+
+
+class Constants(NamedTuple):
+    """Every constexpr of the attention kernels, as one parameter ``C``."""
+
+    query: QueryRows
+    key_rows: Rows
+    value_rows: Rows
+    key_side: Rows       # the side scale arrays (dynamic scales, NVFP4 block scales)
+    value_side: Rows
+    key_read: Reading    # (not "value": a Triton constexpr's own attribute)
+    value_read: Reading
+    geometry: Geometry
+    tiles: Tiles
+    options: Options
+    layers: LayerAxis
+
+
+# Per backend: query rows per tile, tokens per warp and step, warps; the token loop's pipelining
+# (``stages``; Triton keeps (stages - 1) // 2 tiles in flight here) for calls that fill the GPU
+# and for split calls; splits are added to calls of fewer than ``split_below`` programs, up to
+# about ``target_programs``, each split taking at least ``min_split_tokens`` tokens.
+# bench/NOTES.md ("Paged attention") has the measurements behind the CUDA row. The interpreter
+# runs one program at a time: small tiles, and splits already for small calls so that the
+# merge kernel runs in CPU tests.
+ATTENTION_SIZES = {
+    CUDA: dict(block_m=16, block_n=32, warps=2, stages=5, split_stages=3, split_below=256,
+               target_programs=264, min_split_tokens=256, max_splits=64, merge_rows=4,
+               merge_warps=4),
+    INTERPRET: dict(block_m=16, block_n=16, warps=2, stages=1, split_stages=1, split_below=4,
+                    target_programs=4, min_split_tokens=16, max_splits=4, merge_rows=16,
+                    merge_warps=1),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks.
+
+@dataclass(frozen=True)
+class AttentionArgs:
+    """A validated ``paged_attention`` / ``paged_attention_combined`` call."""
+
+    num_tokens: int
+    num_seqs: int
+    num_heads: int
+    head_dim: int
+    query: ArrayInfo
+    key_cache: PagedCache          # data columns only (inline scales: head_dim bytes)
+    value_cache: PagedCache
+    fmt: Format | None             # None: an unquantized (bf16 / fp16) cache
+    key_scale: SideScale
+    value_scale: SideScale
+    layout: str
+    cache_rank: int
+    combined: bool
+    inline_pad: int
+    layers: Layers | None
+    block_table: ArrayInfo
+    varlen: bool
+    max_query_len: int
+    softmax_scale: float
+    sliding_window: int | None
+    logits_soft_cap: float | None
+    sinks: bool
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key_cache.num_heads
+
+    @property
+    def out_dtype(self) -> str:
+        return self.query.dtype
+
+    @property
+    def out_shape(self) -> tuple[int, int, int]:
+        return (self.num_tokens, self.num_heads, self.head_dim)
+
+
+def _check_int(value, name: str, low: int, high: int | None = None, what: str = "an int"):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name}: expected {what} {bound}, got {value}")
+    return value
+
+
+def _check_float(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name}: expected None or a float, got {type(value).__name__}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: expected a finite float > 0, got {value}")
+    return value
+
+
+def _check_vector(info, name: str, dtype: str, length: int, device: str, what: str) -> None:
+    if not isinstance(info, ArrayInfo):
+        raise TypeError(f"{name}: expected an array, got {type(info).__name__}")
+    validate.check_dtype(info, name, (dtype,))
+    if info.shape != (length,):
+        raise ValueError(f"{name}: expected shape [{length}] ({what}), got "
+                         f"{fmt_shape(info.shape)}")
+    validate.check_contiguous(info, name)
+    validate.check_device(info, name, device)
+
+
+def _plain_caches(key_cache, value_cache, kv_cache, layout, query):
+    """Unquantized caches: ``(kc, vc, rank)``, the caches' dtype the query's."""
+    for name, cache in validate._named_caches(key_cache, value_cache, kv_cache).items():
+        if cache.dtype != query.dtype:
+            raise TypeError(f"{name}: expected dtype {query.dtype} (that of query) for an "
+                            f"unquantized cache, got {cache.dtype}")
+    if kv_cache is not None:
+        kc, vc = validate.check_cache(kv_cache, layout, "kv_cache", True, PLAIN_DTYPES)
+        return kc, vc, kv_cache.ndim - 1
+    kc = validate.check_cache(key_cache, layout, "key_cache", dtypes=PLAIN_DTYPES)
+    vc = validate.check_cache(value_cache, layout, "value_cache", dtypes=PLAIN_DTYPES)
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache: expected the shape of key_cache "
+                         f"{fmt_shape(key_cache.shape)}, got {fmt_shape(value_cache.shape)}")
+    return kc, vc, key_cache.ndim
+
+
+def check_attention(query, key_cache=None, value_cache=None, block_table=None, seq_lens=None,
+                    key_scale=None, value_scale=None, *, kv_cache=None, query_start_loc=None,
+                    softmax_scale=None, sliding_window=None, logits_soft_cap=None, sinks=None,
+                    key_scale_cache=None, value_scale_cache=None, cache_format=None,
+                    layout="NHD", head_dim=None, layer=None,
+                    max_query_len=None) -> AttentionArgs:
+    """Validate ``paged_attention`` (``kv_cache``: ``paged_attention_combined``) arguments."""
+    layout = validate.check_choice(layout, "layout", LAYOUTS)
+    if not isinstance(query, ArrayInfo):
+        raise TypeError(f"query: expected an array, got {type(query).__name__}")
+    caches = validate._named_caches(key_cache, value_cache, kv_cache)
+    device = validate.check_same_device({"query": query, **caches, "block_table": block_table,
+                                         "seq_lens": seq_lens})
+    validate.check_dtype(query, "query", QUERY_DTYPES)
+    if query.ndim != 3:
+        raise ValueError(f"query: expected rank 3 [num_tokens, num_heads, head_dim], got shape "
+                         f"{fmt_shape(query.shape)}")
+    validate.check_unit_last_stride(query, "query")
+    validate.check_nonnegative_strides(query, "query")
+    (key_cache, value_cache, kv_cache, key_scale_cache, value_scale_cache), layers = \
+        validate.unstack(layer, device, key_cache, value_cache, kv_cache, key_scale_cache,
+                         value_scale_cache)
+    cache_name = "kv_cache" if kv_cache is not None else "key_cache"
+    first = kv_cache if kv_cache is not None else key_cache
+    num_tokens, num_heads, q_dim = query.shape
+    if head_dim is not None:
+        head_dim = _check_int(head_dim, "head_dim", 1)
+    plain = first.dtype in PLAIN_DTYPES
+    pad = 0
+    if plain:
+        if cache_format is not None:
+            raise ValueError(f"cache_format: expected None for an unquantized {first.dtype} "
+                             f"cache, got {cache_format!r}")
+        for name, given in (("key_scale", key_scale), ("value_scale", value_scale),
+                            ("key_scale_cache", key_scale_cache),
+                            ("value_scale_cache", value_scale_cache)):
+            if given is not None:
+                raise ValueError(f"{name}: expected None for an unquantized {first.dtype} "
+                                 f"cache (its values are read as stored), got "
+                                 f"{type(given).__name__}")
+        kc, vc, rank = _plain_caches(key_cache, value_cache, kv_cache, layout, query)
+        fmt, ks, vs = None, SideScale(), SideScale()
+        elems = kc.head_dim
+    else:
+        kc, vc, fmt, rank = validate.check_caches(key_cache, value_cache, kv_cache, layout, None,
+                                                  cache_format)
+        key_scale_cache = validate.check_scale_cache_arg(key_scale_cache, "key_scale_cache",
+                                                         fmt=fmt)
+        value_scale_cache = validate.check_scale_cache_arg(value_scale_cache,
+                                                           "value_scale_cache", fmt=fmt)
+        if fmt.block_size:
+            elems = kc.head_dim * fmt.codes_per_byte
+            validate.check_block_head_dim(elems, fmt, cache_name)
+            ks, vs = validate._block_side_scales(key_scale, value_scale, key_scale_cache,
+                                                 value_scale_cache, kc, vc, layout, rank,
+                                                 device, kc.num_heads, fmt)
+        else:
+            inline = validate.INLINE in (key_scale_cache, value_scale_cache)
+            if inline and head_dim is None:
+                head_dim = q_dim   # the query's head_dim tells the row's data columns
+            kc, vc, pad = validate.check_inline(key_scale_cache, value_scale_cache, kc, vc,
+                                                head_dim, cache_name)
+            elems = kc.head_dim
+            ks, vs = validate._side_scales(key_scale, value_scale, key_scale_cache,
+                                           value_scale_cache, kc, vc, layout, rank, device,
+                                           kc.num_heads)
+        if layers is not None and fmt.block_size:
+            validate.check_layers_supported(layers, fmt)
+    if head_dim is not None and head_dim != elems:
+        raise ValueError(f"head_dim: expected that of {cache_name} ({elems}), got {head_dim}")
+    if q_dim != elems:
+        raise ValueError(f"query: expected head_dim {elems} (that of {cache_name}), got {q_dim}")
+    if elems % 16 or elems > MAX_HEAD_DIM:
+        raise ValueError(f"{cache_name}: expected a head_dim that is a multiple of 16 and at most "
+                         f"{MAX_HEAD_DIM}, got {elems}")
+    num_kv_heads = kc.num_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query: expected num_heads a multiple of num_kv_heads ({num_kv_heads}, "
+                         f"of {cache_name}), got {num_heads}")
+    if not isinstance(block_table, ArrayInfo):
+        raise TypeError(f"block_table: expected an array, got {type(block_table).__name__}")
+    validate.check_dtype(block_table, "block_table", ("int32",))
+    if block_table.ndim != 2:
+        raise ValueError(f"block_table: expected rank 2 [num_seqs, max_pages], got shape "
+                         f"{fmt_shape(block_table.shape)}")
+    validate.check_nonnegative_strides(block_table, "block_table")
+    num_seqs = block_table.shape[0]
+    if not isinstance(seq_lens, ArrayInfo):
+        raise TypeError(f"seq_lens: expected an array, got {type(seq_lens).__name__}")
+    _check_vector(seq_lens, "seq_lens", "int32", num_seqs, device, "num_seqs, of block_table")
+    varlen = query_start_loc is not None
+    if varlen:
+        _check_vector(query_start_loc, "query_start_loc", "int32", num_seqs + 1, device,
+                      "num_seqs + 1")
+        if num_tokens > MAX_QUERY_LEN * num_seqs:
+            raise ValueError(f"query: expected at most {MAX_QUERY_LEN} query tokens per sequence "
+                             f"({MAX_QUERY_LEN * num_seqs} for {num_seqs} sequences), got "
+                             f"{num_tokens} tokens")
+        longest = min(MAX_QUERY_LEN, num_tokens) if max_query_len is None else _check_int(
+            max_query_len, "max_query_len", 1, MAX_QUERY_LEN)
+    else:
+        if num_tokens != num_seqs:
+            raise ValueError(f"query: expected num_tokens == num_seqs ({num_seqs}, one decode "
+                             f"token per sequence; pass query_start_loc for more), got "
+                             f"{num_tokens}")
+        if max_query_len is not None and _check_int(max_query_len, "max_query_len", 1,
+                                                    MAX_QUERY_LEN) != 1:
+            raise ValueError(f"max_query_len: expected 1 without query_start_loc, got "
+                             f"{max_query_len}")
+        longest = 1
+    scale = 1.0 / math.sqrt(elems) if softmax_scale is None else _check_float(
+        softmax_scale, "softmax_scale")
+    window = None if sliding_window is None else _check_int(sliding_window, "sliding_window", 1,
+                                                            2**31 - 1)
+    cap = None if logits_soft_cap is None else _check_float(logits_soft_cap, "logits_soft_cap")
+    if sinks is not None:
+        _check_vector(sinks, "sinks", "float32", num_heads, device, "num_heads")
+    return AttentionArgs(num_tokens, num_seqs, num_heads, elems, query, kc, vc, fmt, ks, vs,
+                         layout, rank, kv_cache is not None, pad, layers, block_table, varlen,
+                         longest, scale, window, cap, sinks is not None)
+
+
+def check_out(out: ArrayInfo, args: AttentionArgs) -> None:
+    """A caller's ``out=``: the query's shape and dtype, contiguous rows."""
+    validate.check_out(out, "out", args.out_shape, (args.out_dtype,), args.query.device)
+    d = args.head_dim
+    if out.strides[:2] != (args.num_heads * d, d):
+        raise ValueError(f"out: expected a contiguous array (strides {fmt_shape((args.num_heads * d, d, 1))}), "
+                         f"got strides {fmt_shape(out.strides)}")
+
+
+def check_seq_lens_in_range(seq_lens, query_start_loc, pages_per_seq: int, page_size: int,
+                            max_query_len: int) -> None:
+    """The opt-in bounds check: every sequence fits its block-table row and holds its query
+    tokens, and no query is longer than ``max_query_len`` (host values)."""
+    lens = np.asarray(seq_lens)
+    bad = np.flatnonzero((lens < 0) | (lens > pages_per_seq * page_size))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"seq_lens: expected 0 <= seq_lens <= {pages_per_seq * page_size} "
+                         f"(max_pages * page_size, of block_table), got seq_lens[{b}] = "
+                         f"{int(lens[b])}")
+    q_lens = np.ones_like(lens) if query_start_loc is None else np.diff(np.asarray(query_start_loc))
+    bad = np.flatnonzero((q_lens < 0) | (q_lens > max_query_len) | (q_lens > lens))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"query_start_loc: expected 0 <= query length <= min(max_query_len="
+                         f"{max_query_len}, seq_lens) per sequence, got {int(q_lens[b])} for "
+                         f"sequence {b} (seq_lens {int(lens[b])})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan.
+
+@dataclass(frozen=True, eq=False)
+class AttentionPlan:
+    """The attention kernel's launch, and the merge's where the tokens are split
+    (``merge`` None: the attention kernel writes the output); the fp32 workspace's shapes."""
+
+    attention: LaunchPlan
+    merge: LaunchPlan | None
+    partial_out: tuple[int, ...]
+    partial_stats: tuple[int, ...]
+
+    @property
+    def empty(self) -> bool:
+        return self.attention.empty
+
+
+def _rows(rows, layer_stride: int = 0) -> Rows:
+    """A cache's (:class:`~fp8kv.layout.PagedCache`) or side array's
+    (:class:`~fp8kv.layout.ScaleCache`, or block scales) rows; zeros for none."""
+    if rows is None:
+        return Rows(0, 0, 0, 0, 0)
+    return Rows(getattr(rows, "offset", 0), rows.stride_page, rows.stride_slot,
+                rows.stride_head, layer_stride)
+
+
+def _reading(args: AttentionArgs, side: SideScale, head_dim: int) -> Reading:
+    block_d = triton.next_power_of_2(head_dim)
+    fmt = args.fmt
+    if fmt is None:
+        return Reading(READ_PLAIN, None, None, ScaleKind.NONE.id, COLUMNS_NONE, head_dim,
+                       block_d, 1.0, args.query.dtype == "bfloat16")
+    if fmt.block_size:
+        return Reading(READ_NVFP4, None, CodeFormat.of(FORMATS[fmt.block_scale]),
+                       side.kind.id, COLUMNS_NONE, head_dim, block_d, 256.0)
+    columns = (COLUMNS_INLINE if args.inline_pad and side.is_dynamic else
+               COLUMNS_ARRAY if side.is_dynamic else COLUMNS_NONE)
+    return Reading(READ_FP8, CodeFormat.of(fmt), None, side.kind.id, columns, head_dim, block_d,
+                   1.0)
+
+
+def splits_for(programs: int, max_context: int, tile: int, sizes: dict) -> int:
+    """Splits per (sequence, kv head, row tile): a power of two that brings the call to
+    ``target_programs``, each split keeping ``min_split_tokens`` (and a whole tile)."""
+    if programs >= sizes["split_below"]:
+        return 1
+    want = -(-sizes["target_programs"] // programs)
+    most = max(1, max_context // max(sizes["min_split_tokens"], tile))
+    splits = min(want, most, sizes["max_splits"])
+    return 1 if splits <= 1 else triton.next_power_of_2(splits)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None) -> AttentionPlan:
+    """Plan :func:`fp8kv.ops.paged_attention._paged_attention_kernel` (and the merge)."""
+    sizes = ATTENTION_SIZES[backend]
+    exact = backend == INTERPRET if exact is None else exact
+    d = args.head_dim
+    kc, vc = args.key_cache, args.value_cache
+    group = args.num_heads // args.num_kv_heads
+    block_m = sizes["block_m"]
+    m_tiles = -(-args.max_query_len * group // block_m)
+    tile = sizes["warps"] * sizes["block_n"]
+    max_context = args.block_table.shape[1] * kc.page_size
+    programs = args.num_seqs * args.num_kv_heads * m_tiles
+    splits = splits_for(programs, max_context, tile, sizes)
+    layers = args.layers
+    ks, vs = args.key_scale.stored, args.value_scale.stored
+    if layers is None:
+        axis, strides = LayerAxis(LayerKind.NONE.id, 0), (0, 0, 0, 0)
+    else:
+        axis = LayerAxis((LayerKind.TENSOR if layers.on_device else LayerKind.VALUE).id,
+                         layers.num_layers)
+        strides = (layers.stride_key_cache, layers.stride_value_cache,
+                   layers.stride_key_scale_cache, layers.stride_value_scale_cache)
+    query = args.query
+    consts = Constants(
+        QueryRows(query.strides[0], query.strides[1]),
+        _rows(kc, strides[0]), _rows(vc, strides[1]), _rows(ks, strides[2]),
+        _rows(vs, strides[3]),
+        _reading(args, args.key_scale, d), _reading(args, args.value_scale, d),
+        Geometry(args.num_heads, args.num_kv_heads, group, d, kc.page_size,
+                 args.block_table.strides[1]),
+        Tiles(block_m, sizes["block_n"], sizes["warps"], splits, m_tiles,
+              sizes["stages" if splits == 1 else "split_stages"]),
+        Options(args.varlen, args.sliding_window is not None, args.logits_soft_cap is not None,
+                args.sinks, exact, int(OUT_KIND_OF_DTYPE[args.out_dtype]), backend == CUDA,
+                args.softmax_scale, float(args.logits_soft_cap or 1.0)),
+        axis)
+    scalars = dict(
+        key_scale_value=float(args.key_scale.value),
+        value_scale_value=float(args.value_scale.value), window=int(args.sliding_window or 0),
+        layer=0 if layers is None or layers.on_device else layers.index,
+        stride_table=args.block_table.strides[0])
+    grid = (programs, splits)
+    main = LaunchPlan(grid, sizes["warps"], scalars, dict(C=consts),
+                      kernel="_paged_attention_kernel")
+    rows = args.num_tokens * args.num_heads
+    if splits == 1:
+        return AttentionPlan(main, None, (0,), (0,))
+    merge = LaunchPlan((-(-rows // sizes["merge_rows"]),), sizes["merge_warps"],
+                       dict(num_rows=rows),
+                       dict(C=consts, BLOCK_D=triton.next_power_of_2(d),
+                            ROWS=sizes["merge_rows"]),
+                       kernel="_attention_merge_kernel")
+    return AttentionPlan(main, merge, (rows, splits, d), (rows, splits, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Operands: which argument each kernel pointer takes.
+
+PLACEHOLDER = "seq_lens"   # an int32 array every call has: the pointer of what is not read
+
+
+def attention_operands(args: AttentionArgs, plan: AttentionPlan | None = None) -> OperandMap:
+    """``_paged_attention_kernel``'s arrays (read only, but the outputs): with ``plan``, the
+    output or the workspace marked unused (a split call writes the workspace only)."""
+    split = plan is not None and plan.merge is not None
+    kc, vc = ("kv_cache", "kv_cache") if args.combined else ("key_cache", "value_cache")
+
+    def optional(param, source, used):
+        return Operand(param, source if used else PLACEHOLDER, used=used)
+
+    ks, vs = args.key_scale, args.value_scale
+    inputs = (Operand("query_ptr", "query"), Operand("key_cache_ptr", kc),
+              Operand("value_cache_ptr", vc), Operand("table_ptr", "block_table"),
+              Operand("seq_lens_ptr", "seq_lens"),
+              optional("query_start_ptr", "query_start_loc", args.varlen),
+              optional("key_scale_ptr", "key_scale", ks.kind.on_device),
+              optional("value_scale_ptr", "value_scale", vs.kind.on_device),
+              optional("key_side_ptr", "key_scale_cache", ks.stored is not None),
+              optional("value_side_ptr", "value_scale_cache", vs.stored is not None),
+              optional("sinks_ptr", "sinks", args.sinks),
+              optional("layer_ptr", "layer", args.layers is not None and args.layers.on_device))
+    return OperandMap(inputs, (Operand("out_ptr", "out", used=not split),
+                               Operand("partial_out_ptr", "partial_out", used=split),
+                               Operand("partial_stats_ptr", "partial_stats", used=split)))
+
+
+def merge_operands(args: AttentionArgs) -> OperandMap:
+    return OperandMap((Operand("partial_out_ptr", "partial_out"),
+                       Operand("partial_stats_ptr", "partial_stats"),
+                       Operand("sinks_ptr", "sinks" if args.sinks else "partial_stats",
+                               used=args.sinks)),
+                      (Operand("out_ptr", "out"),))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference (fp64 over the caches' dequantized values) and the spec's error bound.
+
+def _values(cache, block_table, scale, scale_cache, layout, cache_format, head_dim):
+    """fp32 values ``[num_seqs, pages_per_seq * page_size, H, D]`` of one side's pages (one
+    layer's, one half of a combined cache), in token order: as stored for a bf16 / fp16 cache,
+    else the reference ``dequantize_pages`` of a call with this side alone."""
+    table = np.asarray(block_table)
+    cache = np.asarray(cache)
+    if cache.dtype == np.float16 or cache.dtype.name == "bfloat16":
+        pages = cache[np.clip(table.reshape(-1), 0, cache.shape[0] - 1)].astype(np.float32)
+    else:
+        kw = dict(dtype="float32", layout=layout, cache_format=cache_format, head_dim=head_dim,
+                  key_scale_cache=scale_cache, value_scale_cache=scale_cache)
+        pages = np.asarray(reference.dequantize_pages(cache, cache, table, scale, scale, **kw)[0],
+                           np.float32)
+    if pages.ndim == 4 and layout == "HND":           # [N, H, S, D] -> [N, S, H, D]
+        pages = pages.transpose(0, 2, 1, 3)
+    if pages.ndim == 3:                                 # rank-3 caches: page_size 1
+        pages = pages[:, None]
+    b, p = table.shape
+    return pages.reshape(b, p * pages.shape[1], pages.shape[2], pages.shape[3])
+
+
+def paged_attention(query, key_cache, value_cache, block_table, seq_lens, key_scale=None,
+                    value_scale=None, *, query_start_loc=None, softmax_scale=None,
+                    sliding_window=None, logits_soft_cap=None, sinks=None,
+                    key_scale_cache=None, value_scale_cache=None, cache_format=None,
+                    layout="NHD", head_dim=None, layer=None, kv_cache=None):
+    """Reference ``paged_attention`` in fp64: ``(out, vmax, score_mass)``, each
+    ``[num_tokens, num_heads, ...]``: the attention output over the caches' values (read as
+    :func:`fp8kv.reference.dequantize_pages` gives them), the largest ``|v|`` each row sees and
+    ``max_t sum_d |q_d k_td| * softmax_scale`` (for :func:`error_bound`). ``kv_cache`` replaces
+    both caches (combined)."""
+    q = np.asarray(query).astype(np.float64)
+    lens = np.asarray(seq_lens).astype(np.int64)
+    num_tokens, num_heads, d = q.shape
+    if layer is not None:   # stacked caches: one layer's; out of range, no sequence has tokens
+        stacked = kv_cache if kv_cache is not None else key_cache
+        if not 0 <= int(layer) < np.shape(stacked)[0]:
+            lens = np.zeros_like(lens)
+            layer = 0
+
+        def pick(a):
+            return a if a is None or isinstance(a, str) else np.asarray(a)[int(layer)]
+        key_cache, value_cache, kv_cache = pick(key_cache), pick(value_cache), pick(kv_cache)
+        key_scale_cache, value_scale_cache = pick(key_scale_cache), pick(value_scale_cache)
+    sides = []
+    for cache, scale, sc, half in ((key_cache, key_scale, key_scale_cache, 0),
+                                   (value_cache, value_scale, value_scale_cache, 1)):
+        src = cache if kv_cache is None else np.asarray(kv_cache)[:, half]
+        sides.append(_values(src, block_table, scale, sc, layout, cache_format,
+                             head_dim).astype(np.float64))
+    keys, values = sides
+    num_kv = keys.shape[2]
+    group = num_heads // num_kv
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    starts = (np.arange(len(lens) + 1) if query_start_loc is None
+              else np.asarray(query_start_loc).astype(np.int64))
+    out = np.zeros((num_tokens, num_heads, d))
+    vmax = np.zeros((num_tokens, num_heads, 1))
+    mass = np.zeros((num_tokens, num_heads, 1))
+    sink = None if sinks is None else np.asarray(sinks).astype(np.float64)
+    for b, n in enumerate(lens):
+        q_len = int(starts[b + 1] - starts[b])
+        for i in range(q_len):
+            tok = int(starts[b]) + i
+            pos = int(n) - q_len + i
+            lo = 0 if sliding_window is None else max(0, pos - int(sliding_window) + 1)
+            seen = slice(lo, pos + 1)
+            for hq in range(num_heads):
+                h = hq // group
+                k, v = keys[b, seen, h], values[b, seen, h]
+                if k.shape[0] == 0 and sink is None:
+                    continue
+                s = (k @ q[tok, hq]) * scale
+                if logits_soft_cap is not None:
+                    s = logits_soft_cap * np.tanh(s / logits_soft_cap)
+                top = max(s.max(initial=-np.inf), -np.inf if sink is None else sink[hq])
+                p = np.exp(s - top)
+                den = p.sum() + (0.0 if sink is None else math.exp(sink[hq] - top))
+                out[tok, hq] = (p @ v) / den if den > 0 else 0.0
+                vmax[tok, hq] = np.abs(v).max(initial=0.0)
+                mass[tok, hq] = (np.abs(k) @ np.abs(q[tok, hq])).max(initial=0.0) * scale
+    return out, vmax, mass
+
+
+def error_bound(ref_out, vmax, mass, head_dim: int) -> np.ndarray:
+    """The spec's bound on ``|out - ref_out|`` (docs/SPEC.md section 16.3)."""
+    delta = head_dim * 2.0 ** -24 * mass
+    return 2.0 ** -8 * (np.abs(ref_out) + vmax) + np.expm1(2 * delta) * vmax

@@ -1,0 +1,512 @@
+"""Paged decode attention over every fp8kv cache format (docs/SPEC.md section 16).
+
+Grid ``(num_seqs * num_kv_heads * M_TILES, SPLITS)``. Program ``((b * Hkv + h) * M_TILES + m,
+split)`` takes sequence ``b``'s query rows ``m * BLOCK_M ...`` of kv head ``h`` -- row ``r`` is
+query token ``r // GROUP`` of the sequence and query head ``h * GROUP + r % GROUP``, so a GQA
+group shares every K/V tile it reads -- and the ``split``-th share of the tokens those rows see.
+Its ``W`` warps each take ``BLOCK_N`` consecutive tokens of a ``W * BLOCK_N`` tile (a batch of
+``W`` dots: no warp waits for another inside the loop) and keep their own online softmax; the
+program merges them at the end. A program whose tokens are all one split writes the output;
+otherwise it writes fp32 partials (``acc``, row max, row sum) that :func:`_attention_merge_kernel`
+combines in split order, so a call gives the same bytes every time.
+
+Reading a tile: the token's page comes from the block table (tokens past the visible range are
+clamped to its last token, so no load reaches an unused page or block-table entry, and their
+scores are masked). Quantized formats become fp16 MMA operands exactly (e4m3 / e5m2 codes,
+NVFP4 codes times their block scale); the query becomes fp16 times a power of two; every other
+scale multiplies a score column, a probability column or the result (SPEC section 16.2).
+
+Parameters follow the other kernels' order (input arrays, scalars, outputs, constexprs); the
+geometry comes as named-tuple constexprs (:mod:`fp8kv.attention` makes them).
+"""
+import triton.language as tl
+
+from .. import attention
+from ._dual import jit
+from .codec import SCALE_HEAD, SCALE_TENSOR, fp32_to_output_bits, max_combine
+from .layers import LAYER_NONE, select_layer
+
+# The ids of fp8kv.attention: how a side's elements become MMA operands, where its dynamic
+# scales are.
+READ_PLAIN: tl.constexpr = tl.constexpr(attention.READ_PLAIN)
+READ_FP8: tl.constexpr = tl.constexpr(attention.READ_FP8)
+READ_NVFP4: tl.constexpr = tl.constexpr(attention.READ_NVFP4)
+COLUMNS_NONE: tl.constexpr = tl.constexpr(attention.COLUMNS_NONE)
+COLUMNS_ARRAY: tl.constexpr = tl.constexpr(attention.COLUMNS_ARRAY)
+COLUMNS_INLINE: tl.constexpr = tl.constexpr(attention.COLUMNS_INLINE)
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+_NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
+
+
+@jit
+def _sum_combine(a, b):
+    """Combiner of ``tl.reduce`` for sums: our own, so that the interpreter twin rebinds it
+    (Triton's ``tl.sum`` and ``tl.max`` are compiled functions of its library)."""
+    return a + b
+
+
+@jit
+def _fp16_of_e4m3_pairs(codes):
+    """fp16 values of e4m3 bytes with the hardware conversion, four bytes per instruction pair."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@jit
+def _fp16_of_e4m3_pairs_held(codes):
+    """:func:`_fp16_of_e4m3_pairs`, marked impure: Triton then converts the codes where they are
+    loaded and hands fp16 to the MMA operand layout (ldmatrix.trans for V), instead of moving
+    the conversion after a byte-wise gather of V's transposed operand."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        "=r,=r,r", [codes], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@jit
+def fp16_of_fp8(codes, F: tl.constexpr, TRANSPOSED: tl.constexpr, EXACT: tl.constexpr):
+    """fp16 of FP8 codes (uint8) of format ``F`` (:class:`fp8kv.attention.CodeFormat`), exact:
+    sign, then the magnitude's bits moved into fp16's field and scaled by ``2**(15 - bias)``
+    (a power of two; fp16 holds every e4m3 and e5m2 value). A NaN code gives a NaN, e5m2's inf
+    an inf. The e4m3 fast path is the hardware conversion (the same values)."""
+    if F.exp_bits == 4 and F.man_bits == 3 and not EXACT:
+        if TRANSPOSED:
+            x = _fp16_of_e4m3_pairs_held(codes)
+        else:
+            x = _fp16_of_e4m3_pairs(codes)
+    else:
+        c = codes.to(tl.uint16)
+        mag = c & 0x7F
+        bits = ((c & 0x80) << 8) | (mag << (10 - F.man_bits))
+        if not F.has_inf:   # e4m3fn: one NaN magnitude, no inf (a quiet fp16 NaN, any sign)
+            bits = tl.where(mag == F.nan_magnitude, bits | 0x7E00, bits)
+        x = bits.to(tl.float16, bitcast=True)
+        if F.bias != 15:
+            x = x * F.unit
+    return x
+
+
+# NVFP4 nibbles of four bytes to fp16 bits: each fp16's high byte is sign << 7 | magnitude << 1
+# (computed on all four bytes at once), moved in front of a zero low byte by prmt.
+_NVFP4_EVEN_PTX: tl.constexpr = tl.constexpr("""{
+    .reg .b32 a, b, h;
+    shl.b32 a, $2, 1;
+    and.b32 a, a, 0x0E0E0E0E;
+    shl.b32 b, $2, 4;
+    and.b32 b, b, 0x80808080;
+    or.b32 h, a, b;
+    prmt.b32 $0, h, 0, 0x1404;
+    prmt.b32 $1, h, 0, 0x3424;
+}""")
+_NVFP4_ODD_PTX: tl.constexpr = tl.constexpr("""{
+    .reg .b32 a, b, h;
+    shr.b32 a, $2, 3;
+    and.b32 a, a, 0x0E0E0E0E;
+    and.b32 b, $2, 0x80808080;
+    or.b32 h, a, b;
+    prmt.b32 $0, h, 0, 0x1404;
+    prmt.b32 $1, h, 0, 0x3424;
+}""")
+
+
+@jit
+def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr):
+    """``(even, odd)``: fp16 of the low and the high nibbles of NVFP4 pairs ``[..., D / 2]``
+    (elements ``2i`` and ``2i + 1``) times their e4m3 block scales ``[..., D / 16]``, exact: a
+    code ``c`` as the fp16 bits ``(c & 7) << 9`` is its E2M1 value times ``2**-14``; the block
+    scale times ``2**6`` is exact in fp16 too; their product, the element times ``2**-8`` (at
+    most 10.5, at least ``2**-18`` with 6 significant bits), needs no rounding. The caller
+    multiplies by ``2**8``. Even and odd elements stay apart: the dots take them as two halves
+    of the head dimension (the query's and the output's columns split alike), so no nibble is
+    moved next to its neighbour."""
+    bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0                   # [..., D/16]
+    if EXACT:
+        c = codes.to(tl.uint16)
+        even = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True)
+        odd = ((((c >> 4) & 0x7) << 9) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True)
+    else:   # the same bits, four bytes at a time
+        even = tl.inline_asm_elementwise(_NVFP4_EVEN_PTX, "=r,=r,r", [codes], dtype=tl.float16,
+                                         is_pure=True, pack=4)
+        odd = tl.inline_asm_elementwise(_NVFP4_ODD_PTX, "=r,=r,r", [codes], dtype=tl.float16,
+                                        is_pure=True, pack=4)
+    shape: tl.constexpr = codes.shape
+    blocks: tl.constexpr = block_scales.shape[-1]
+    # Each block's 8 bytes times its scale.
+    even = tl.reshape(tl.reshape(even, (shape[0], shape[1], blocks, 8)) * bs[:, :, :, None],
+                      shape)
+    odd = tl.reshape(tl.reshape(odd, (shape[0], shape[1], blocks, 8)) * bs[:, :, :, None],
+                     shape)
+    return even, odd
+
+
+@jit
+def plain_to_fp32(bits, BF16: tl.constexpr):
+    """fp32 of bf16 / fp16 bits (uint16), exactly."""
+    if BF16:
+        x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    return x
+
+
+@jit
+def _row_offsets(page, slot, C: tl.constexpr):
+    """Element offset of each token's row in a cache or side array ``C``
+    (:class:`fp8kv.attention.Rows`) whose pointer is already at the program's kv head."""
+    return page * C.stride_page + slot * C.stride_slot
+
+
+@jit
+def read_tile(cache_ptr, side_ptr, rows, page, slot, R: tl.constexpr, S: tl.constexpr,
+              TRANSPOSED: tl.constexpr, EXACT: tl.constexpr):
+    """``(tile, columns)``: the ``[W, BLOCK_N, D]`` MMA operand of one side's tokens (``rows``:
+    their head rows' offsets; ``page``, ``slot``: ``[W, BLOCK_N]``) and their dynamic scales
+    ``[W, BLOCK_N]`` (1.0 without)."""
+    if R.kind != READ_PLAIN:   # codes and inline scales are bytes, whatever the cache's dtype
+        cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint8))
+    d = tl.arange(0, R.block_d)
+    if R.kind == READ_NVFP4:
+        dh = tl.arange(0, R.block_d // 2)
+        codes = tl.load(cache_ptr + rows[:, :, None] + dh[None, None, :],
+                        mask=(dh < R.head_dim // 2)[None, None, :], other=0)
+        srows = _row_offsets(page, slot, S)
+        db = tl.arange(0, R.block_d // 16)
+        scales = tl.load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
+                         + db[None, None, :], mask=(db < R.head_dim // 16)[None, None, :],
+                         other=0)
+        BLOCK_CODES: tl.constexpr = R.block_codes   # (a nested constexpr is passed by name)
+        tile = fp16_of_nvfp4(codes, scales, BLOCK_CODES, EXACT)
+    else:
+        if R.kind == READ_PLAIN and EXACT:   # the interpreter's bf16 is wrong: its bits, to fp32
+            cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint16))
+        if R.block_d == R.head_dim:
+            tile = tl.load(cache_ptr + rows[:, :, None] + d[None, None, :])
+        else:   # head_dim 80, 96, ...: the tile's padding columns are zeros
+            tile = tl.load(cache_ptr + rows[:, :, None] + d[None, None, :],
+                           mask=(d < R.head_dim)[None, None, :], other=0)
+        if R.kind == READ_PLAIN and EXACT:
+            tile = plain_to_fp32(tile, R.plain_bf16)
+    if R.kind == READ_FP8:
+        CODES: tl.constexpr = R.codes
+        tile = fp16_of_fp8(tile, CODES, TRANSPOSED, EXACT)
+    if R.columns == COLUMNS_ARRAY:
+        columns = tl.load(side_ptr + _row_offsets(page, slot, S))
+    elif R.columns == COLUMNS_INLINE:   # the fp32 after the row's head_dim codes
+        columns = tl.load((cache_ptr + rows + R.head_dim).to(tl.pointer_type(tl.float32)))
+    else:
+        columns = 1.0
+    return tile, columns
+
+
+@jit
+def _query_rows(query_ptr, q_token, q_head, row_ok, Q: tl.constexpr, R_K: tl.constexpr,
+                EXACT: tl.constexpr):
+    """``(operand, unscale)``: the ``[BLOCK_M, D]`` query rows as the MMA's A operand -- as stored
+    for a bf16/fp16 cache, else fp16 times ``2**k`` with ``k`` putting the largest ``|q|`` in
+    ``[2**14, 2**15)`` (bf16 values then round only below ``2**-25`` of it) -- and ``2**-k``."""
+    d = tl.arange(0, R_K.block_d)
+    offs = q_token[:, None] * Q.stride_token + q_head[:, None] * Q.stride_head + d[None, :]
+    mask = row_ok[:, None] & (d < R_K.head_dim)[None, :]
+    if R_K.kind == READ_PLAIN and EXACT:   # fp32 operands (the interpreter's bf16 is wrong)
+        q = plain_to_fp32(tl.load(query_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask,
+                                  other=0), R_K.plain_bf16)
+        unscale = 1.0
+    elif R_K.kind == READ_PLAIN:
+        q = tl.load(query_ptr + offs, mask=mask, other=0)
+        unscale = 1.0
+    else:
+        if EXACT and query_ptr.dtype.element_ty == tl.bfloat16:   # bf16 bits: exact widening
+            raw = tl.load(query_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+            x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(query_ptr + offs, mask=mask, other=0).to(tl.float32)
+        amax = tl.reduce(tl.reduce(tl.abs(x), 1, max_combine), 0, max_combine)
+        exp = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF          # biased exponent of amax
+        k = tl.where((amax > 0) & (exp < 255), 141 - exp, 0)          # 2**k amax in [2**14, 2**15)
+        k = tl.minimum(tl.maximum(k, -126), 126)
+        up = ((k + 127) << 23).to(tl.float32, bitcast=True)
+        q = (x * up).to(tl.float16)
+        unscale = ((127 - k) << 23).to(tl.float32, bitcast=True)
+        if R_K.kind == READ_NVFP4:   # even and odd columns, as the K tile has them
+            q = tl.split(tl.reshape(q, (q.shape[0], q.shape[1] // 2, 2)))
+    return q, unscale
+
+
+@jit
+def static_scale(scale_ptr, scale_value, head, KIND: tl.constexpr):
+    """A side's static scale (a :class:`fp8kv.modes.ScaleKind` id): the host value (1.0 for
+    none), the device scalar, or kv head ``head``'s entry."""
+    if KIND == SCALE_TENSOR:
+        s = tl.load(scale_ptr)
+    elif KIND == SCALE_HEAD:
+        s = tl.load(scale_ptr + head)
+    else:
+        s = scale_value
+    return s
+
+
+@jit
+def _soft_cap(s, cap):
+    """``cap * tanh(s / cap)``, from exp2 (overflow-free: tanh of ``|x|``, then the sign)."""
+    x = tl.abs(s) / cap
+    e = tl.math.exp2(x * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(s < 0, -t, t) * cap
+
+
+@jit
+def attend_tile(state, qm, t0, seen, sides, table, h, scales, C: tl.constexpr):
+    """One step of the token loop: the tile of ``W * BLOCK_N`` tokens from ``t0`` (``seen``:
+    the share's end, the last visible token, the rows' positions, the window) folded into the
+    online softmax ``state`` = ``(m, l, acc, v_exp)``. ``sides``: the K and V caches' and side
+    arrays' pointers; ``scales``: the score scale and the soft cap; ``C``: the constexprs."""
+    KC: tl.constexpr = C.key_rows
+    VC: tl.constexpr = C.value_rows
+    KS: tl.constexpr = C.key_side
+    VS: tl.constexpr = C.value_side
+    R_K: tl.constexpr = C.key_read
+    R_V: tl.constexpr = C.value_read
+    G: tl.constexpr = C.geometry
+    T: tl.constexpr = C.tiles
+    OPT: tl.constexpr = C.options
+    m_i, l_i, acc, v_exp = state
+    key_cache_ptr, value_cache_ptr, key_side_ptr, value_side_ptr = sides
+    end, last, pos3, window = seen
+    score_scale, soft_cap = scales
+    w = tl.arange(0, T.warps)
+    n = tl.arange(0, T.block_n)
+    t = t0 + w[:, None] * T.block_n + n[None, :]                 # [W, BLOCK_N]
+    tc = tl.minimum(t, last)
+    page = tl.load(table + (tc // G.page_size) * G.stride_table_page).to(tl.int64)
+    slot = tc % G.page_size
+    k_rows = _row_offsets(page, slot, KC)
+    if (KC.stride_page, KC.stride_slot, KC.stride_head) == (VC.stride_page, VC.stride_slot,
+                                                           VC.stride_head):
+        v_rows = k_rows
+    else:
+        v_rows = _row_offsets(page, slot, VC)
+    k, k_cols = read_tile(key_cache_ptr, key_side_ptr, k_rows, page, slot, R_K, KS, False,
+                          OPT.exact)
+    if R_K.kind == READ_NVFP4:   # even and odd halves of the head dimension
+        s = tl.dot(qm[0], tl.permute(k[0], (0, 2, 1)))
+        s = tl.dot(qm[1], tl.permute(k[1], (0, 2, 1)), s)
+    else:
+        s = tl.dot(qm, tl.permute(k, (0, 2, 1)), input_precision="ieee")   # [W, M, N]
+    s = s * score_scale
+    if R_K.columns != COLUMNS_NONE:
+        s = s * k_cols[:, None, :]
+    if OPT.soft_cap:
+        s = _soft_cap(s, soft_cap) * LOG2E
+    ok = (t < end)[:, None, :]
+    if OPT.varlen:                                              # causal among the queries
+        ok = ok & (t[:, None, :] <= pos3)
+    if OPT.window:
+        ok = ok & (t[:, None, :] > pos3 - window)
+    s = tl.where(ok, s, _NEG_INF)
+    m_new = tl.maximum(m_i, tl.reduce(s, 2, max_combine))
+    m_use = tl.where(m_new == _NEG_INF, 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, :, None])
+    l_i = l_i * alpha + tl.reduce(p, 2, _sum_combine)
+    v, v_cols = read_tile(value_cache_ptr, value_side_ptr, v_rows, page, slot, R_V, VS, True,
+                          OPT.exact)
+    if R_V.columns != COLUMNS_NONE:
+        # Probabilities times the tokens' V scales, in units of 2**v_exp: the largest scale
+        # seen so far (a power of two, so the rescaling of acc is exact).
+        col_bits = tl.reduce(v_cols.to(tl.int32, bitcast=True), 1, max_combine)
+        tile_exp = (tl.reduce(col_bits, 0, max_combine) >> 23) - 127
+        new_exp = tl.maximum(v_exp, tile_exp)
+        alpha = alpha * ((127 + v_exp - new_exp) << 23).to(tl.float32, bitcast=True)
+        v_exp = new_exp
+        unit = ((127 - v_exp) << 23).to(tl.float32, bitcast=True)
+        p = p * (v_cols * unit)[:, None, :]
+    if R_V.kind == READ_NVFP4:
+        pv = p.to(tl.float16)
+        acc = (tl.dot(pv, v[0], acc[0] * alpha[:, :, None]),
+               tl.dot(pv, v[1], acc[1] * alpha[:, :, None]))
+    else:
+        acc = acc * alpha[:, :, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    m_i = m_new
+    return m_i, l_i, acc, v_exp
+
+
+@jit(do_not_specialize=["layer", "window", "stride_table"])
+def _paged_attention_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr,
+    key_scale_ptr, value_scale_ptr, key_side_ptr, value_side_ptr, sinks_ptr, layer_ptr,
+    key_scale_value, value_scale_value, window, layer, stride_table,
+    out_ptr, partial_out_ptr, partial_stats_ptr,
+    C: tl.constexpr,
+):
+    Q: tl.constexpr = C.query
+    KC: tl.constexpr = C.key_rows
+    VC: tl.constexpr = C.value_rows
+    KS: tl.constexpr = C.key_side
+    VS: tl.constexpr = C.value_side
+    R_K: tl.constexpr = C.key_read
+    R_V: tl.constexpr = C.value_read
+    G: tl.constexpr = C.geometry
+    T: tl.constexpr = C.tiles
+    OPT: tl.constexpr = C.options
+    LAYERS: tl.constexpr = C.layers
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    m_tile = pid % T.m_tiles
+    bh = pid // T.m_tiles
+    b = bh // G.num_kv_heads
+    h = bh % G.num_kv_heads
+    seq_len = tl.load(seq_lens_ptr + b)
+    if LAYERS.kind != LAYER_NONE:   # stacked caches: move to the call's layer
+        layer, seq_len = select_layer(layer_ptr, layer, seq_len, KIND=LAYERS.kind,
+                                      NUM_LAYERS=LAYERS.num_layers)
+        key_cache_ptr += layer * KC.stride_layer
+        value_cache_ptr += layer * VC.stride_layer
+        key_side_ptr += layer * KS.stride_layer
+        value_side_ptr += layer * VS.stride_layer
+    if OPT.varlen:
+        q_first = tl.load(query_start_ptr + b)
+        q_len = tl.load(query_start_ptr + b + 1) - q_first
+    else:
+        q_first = b
+        q_len = 1
+    # Rows: query token i = r // GROUP of the sequence, head g = r % GROUP of the group.
+    rows = m_tile * T.block_m + tl.arange(0, T.block_m)
+    i = rows // G.group
+    row_ok = i < q_len
+    pos = seq_len - q_len + i                    # each row's position in the sequence
+    # The tokens these rows see: [lo, hi), split into SPLITS shares of whole tiles.
+    i_first = (m_tile * T.block_m) // G.group
+    i_end = tl.minimum(q_len, (m_tile * T.block_m + T.block_m + G.group - 1) // G.group)
+    hi = tl.maximum(seq_len - q_len + i_end, 0)
+    if OPT.window:
+        lo = tl.maximum(seq_len - q_len + i_first - window + 1, 0)
+    else:
+        lo = 0
+    hi = tl.where(i_end > i_first, hi, lo)
+    TILE: tl.constexpr = T.warps * T.block_n
+    share = ((tl.maximum(hi - lo, 0) + T.splits - 1) // T.splits + TILE - 1) // TILE * TILE
+    start = lo + split * share
+    end = tl.minimum(start + share, hi)
+    last = tl.maximum(hi - 1, 0)
+
+    q, unscale = _query_rows(query_ptr, q_first + i, h * G.group + rows % G.group, row_ok, Q,
+                             R_K, OPT.exact)
+    if R_K.kind == READ_NVFP4:
+        qm = (tl.broadcast_to(q[0][None, :, :], [T.warps, T.block_m, R_K.block_d // 2]),
+              tl.broadcast_to(q[1][None, :, :], [T.warps, T.block_m, R_K.block_d // 2]))
+    else:
+        qm = tl.broadcast_to(q[None, :, :], [T.warps, T.block_m, R_K.block_d])
+    k_static = static_scale(key_scale_ptr, key_scale_value, h, R_K.scale)
+    v_static = static_scale(value_scale_ptr, value_scale_value, h, R_V.scale)
+    score_scale = OPT.softmax_scale * k_static * unscale * R_K.unit
+    if not OPT.soft_cap:
+        score_scale = score_scale * LOG2E
+    m_i = tl.full([T.warps, T.block_m], _NEG_INF, tl.float32)
+    l_i = tl.full([T.warps, T.block_m], 0.0, tl.float32)
+    if R_V.kind == READ_NVFP4:   # even and odd output columns
+        acc = (tl.full([T.warps, T.block_m, R_V.block_d // 2], 0.0, tl.float32),
+               tl.full([T.warps, T.block_m, R_V.block_d // 2], 0.0, tl.float32))
+    else:
+        acc = tl.full([T.warps, T.block_m, R_V.block_d], 0.0, tl.float32)
+    v_exp = 0                                    # 2**v_exp: the unit of acc (dynamic V scales)
+    table = table_ptr + b.to(tl.int64) * stride_table
+    state = (m_i, l_i, acc, v_exp)
+    # Every pointer at this program's kv head (V of a combined cache: at its offset).
+    sides = (key_cache_ptr + (KC.offset + h * KC.stride_head),
+             value_cache_ptr + (VC.offset + h * VC.stride_head),
+             key_side_ptr + h * KS.stride_head, value_side_ptr + h * VS.stride_head)
+    seen = (end, last, pos[None, :, None], window)
+    scales = (score_scale, OPT.cap)
+    if OPT.pipelined:
+        for t0 in tl.range(start, end, TILE, num_stages=T.stages):
+            state = attend_tile(state, qm, t0, seen, sides, table, h, scales, C)
+    else:   # the interpreter takes loop bounds from host scalars only: a while loop there
+        t0 = start
+        while t0 < end:
+            state = attend_tile(state, qm, t0, seen, sides, table, h, scales, C)
+            t0 += TILE
+    m_i, l_i, acc, v_exp = state
+
+    # Merge the warps' softmax states.
+    m_all = tl.reduce(m_i, 0, max_combine)
+    m_all_use = tl.where(m_all == _NEG_INF, 0.0, m_all)
+    weight = tl.math.exp2(m_i - m_all_use[None, :])
+    l_all = tl.reduce(l_i * weight, 0, _sum_combine)
+    if R_V.kind == READ_NVFP4:   # even and odd columns back in order
+        o = tl.reshape(tl.join(tl.reduce(acc[0] * weight[:, :, None], 0, _sum_combine),
+                               tl.reduce(acc[1] * weight[:, :, None], 0, _sum_combine)),
+                       (T.block_m, R_V.block_d))
+    else:
+        o = tl.reduce(acc * weight[:, :, None], 0, _sum_combine)
+    out_scale = v_static * R_V.unit
+    if R_V.columns != COLUMNS_NONE:
+        out_scale = out_scale * ((127 + v_exp) << 23).to(tl.float32, bitcast=True)
+    o = o * out_scale
+    q_row = (q_first + i).to(tl.int64) * G.num_heads + h * G.group + rows % G.group
+    d = tl.arange(0, R_V.block_d)
+    d_ok = d < R_V.head_dim
+    if T.splits == 1:
+        finish(o, m_all, l_all, q_row, row_ok, d, d_ok, sinks_ptr, out_ptr, C)
+    else:
+        part = q_row * T.splits + split
+        tl.store(partial_out_ptr + part[:, None] * R_V.head_dim + d[None, :], o,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(partial_stats_ptr + part * 2, m_all, mask=row_ok)
+        tl.store(partial_stats_ptr + part * 2 + 1, l_all, mask=row_ok)
+
+
+@jit
+def finish(o, m, l, q_row, row_ok, d, d_ok, sinks_ptr, out_ptr, C: tl.constexpr):
+    """Write ``o / l`` (``[ROWS, D]`` in units of ``2**m``, row sums ``l``) with the rows' sinks
+    in the denominator; rows that see nothing (``l`` 0, no sink) give zeros."""
+    G: tl.constexpr = C.geometry
+    OPT: tl.constexpr = C.options
+    if OPT.sinks:
+        sink = tl.load(sinks_ptr + q_row % G.num_heads, mask=row_ok, other=0.0) * LOG2E
+        top = tl.maximum(m, sink)
+        top = tl.where(top == _NEG_INF, 0.0, top)
+        keep = tl.math.exp2(m - top)
+        l = l * keep + tl.math.exp2(sink - top)
+        o = o * keep[:, None]
+    o = o / tl.where(l == 0.0, 1.0, l)[:, None]
+    bits = fp32_to_output_bits(o, OUT_KIND=OPT.out_kind, EXACT=OPT.exact)
+    dst = out_ptr.to(tl.pointer_type(tl.uint16))
+    tl.store(dst + q_row[:, None] * G.head_dim + d[None, :], bits.to(tl.uint16),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+@jit(do_not_specialize=["num_rows"])
+def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, sinks_ptr, num_rows, out_ptr,
+                            C: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """Combine the SPLITS partials of ``ROWS`` output rows (token, query head) per program, in
+    split order."""
+    G: tl.constexpr = C.geometry
+    T: tl.constexpr = C.tiles
+    q_row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = q_row < num_rows
+    q_row = tl.where(row_ok, q_row, 0).to(tl.int64)
+    s = tl.arange(0, T.splits)
+    part = q_row[:, None] * T.splits + s[None, :]                            # [ROWS, SPLITS]
+    m = tl.load(partial_stats_ptr + part * 2, mask=row_ok[:, None], other=_NEG_INF)
+    l = tl.load(partial_stats_ptr + part * 2 + 1, mask=row_ok[:, None], other=0.0)
+    top = tl.reduce(m, 1, max_combine)
+    top_use = tl.where(top == _NEG_INF, 0.0, top)
+    weight = tl.math.exp2(m - top_use[:, None])                             # 0 for empty splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < G.head_dim
+    parts = tl.load(partial_out_ptr + part[:, :, None] * G.head_dim + d[None, None, :],
+                    mask=row_ok[:, None, None] & d_ok[None, None, :], other=0.0)
+    o = tl.reduce(parts * weight[:, :, None], 1, _sum_combine)
+    finish(o, top, tl.reduce(l * weight, 1, _sum_combine), q_row, row_ok, d, d_ok, sinks_ptr,
+           out_ptr, C)

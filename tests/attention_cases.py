@@ -1,0 +1,208 @@
+"""Paged-attention test cases as NumPy arrays: caches written by the reference ``write_kv``,
+poisoned where nothing may be read, and the reference output with the spec's bound.
+
+A case is an :class:`AttentionCase`; :func:`build` gives its arrays and keyword arguments
+(framework-neutral), which the torch and JAX tests turn into their own arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+
+from fp8kv import reference
+from fp8kv.attention import error_bound, paged_attention as reference_attention
+
+POISON_PAGE = 2**30   # block-table entries past a sequence's pages: never read
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    cache: str = "e4m3"          # e4m3 | e5m2 | nvfp4 | bfloat16 | float16
+    scale: str = "value"         # value | tensor | head | token | token_head | inline | inline16
+    query_dtype: str = "bfloat16"
+    layout: str = "NHD"
+    rank: int = 4
+    combined: bool = False
+    layers: int = 0              # stacked caches: that many layers (0: none)
+    layer: int = 0
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    page_size: int = 16
+    seq_lens: tuple = (37, 5)
+    query_lens: tuple | None = None   # None: one decode token per sequence
+    window: int | None = None
+    soft_cap: float | None = None
+    sinks: bool = False
+    seed: int = 0
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def id(self) -> str:
+        parts = [self.cache, self.scale if self.cache not in ("bfloat16", "float16") else "",
+                 self.layout if self.rank == 4 else "rank3", f"g{self.num_heads // self.num_kv_heads}",
+                 f"d{self.head_dim}", f"p{self.page_size}"]
+        if self.combined:
+            parts.append("combined")
+        if self.layers:
+            parts.append(f"layer{self.layer}of{self.layers}")
+        if self.query_lens is not None:
+            parts.append("q" + "-".join(map(str, self.query_lens)))
+        if self.window:
+            parts.append(f"window{self.window}")
+        if self.soft_cap:
+            parts.append("cap")
+        if self.sinks:
+            parts.append("sinks")
+        parts.append("lens" + "-".join(map(str, self.seq_lens)))
+        return "-".join(p for p in parts if p)
+
+
+FP8_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def _page_shape(case: AttentionCase, num_pages: int, width: int) -> tuple:
+    h, s = case.num_kv_heads, case.page_size
+    if case.rank == 3:
+        return (num_pages * s, h, width)
+    return (num_pages, s, h, width) if case.layout == "NHD" else (num_pages, h, s, width)
+
+
+def build(case: AttentionCase) -> dict:
+    """``dict(arrays=..., kwargs=..., ref=..., bound=...)``: the call's arrays by argument name
+    (NumPy; host scales and options in ``kwargs``), the reference output and its bound."""
+    rng = np.random.default_rng(case.seed)
+    lens = np.asarray(case.seq_lens, np.int32)
+    num_seqs = len(lens)
+    ps = case.page_size if case.rank == 4 else 1
+    pages = [-(-int(n) // ps) for n in lens]
+    width = max(max(pages), 1) + 1                        # every row has padding entries
+    num_pages = sum(pages) + 3                           # some pages no sequence names
+    slots = np.arange(num_pages * ps, dtype=np.int32)
+    h, d = case.num_kv_heads, case.head_dim
+    kx = (rng.standard_normal((len(slots), h, d)) * 0.7).astype(ml_dtypes.bfloat16)
+    vx = (rng.standard_normal((len(slots), h, d)) * 0.7).astype(ml_dtypes.bfloat16)
+    args, kwargs = {}, {}
+    plain = case.cache in NP_DTYPES
+    if plain:
+        dt = NP_DTYPES[case.cache]
+        kc = _scatter(kx.astype(dt), case, num_pages)
+        vc = _scatter(vx.astype(dt), case, num_pages)
+        sides = (None, None)
+    elif case.cache == "nvfp4":
+        kc = np.zeros(_page_shape(case, num_pages, d // 2), np.uint8)
+        kb = np.zeros(_page_shape(case, num_pages, d // 16), np.uint8)
+        g_k, g_v = 0.011, 0.013
+        kc, vc, kb, vb = reference.write_kv(kx, vx, kc, kc.copy(), slots, g_k, g_v,
+                                            layout=case.layout, key_scale_cache=kb,
+                                            value_scale_cache=kb.copy(), cache_format="nvfp4")
+        kwargs.update(key_scale=g_k, value_scale=g_v, cache_format="nvfp4")
+        sides = (kb, vb)
+    else:
+        fmt_dtype = FP8_DTYPES[case.cache]
+        inline = case.scale.startswith("inline")
+        pad = (16 if case.scale == "inline16" else 4) if inline else 0
+        kc = np.zeros(_page_shape(case, num_pages, d + pad), np.uint8)
+        if not inline:
+            kc = kc.view(fmt_dtype)
+        ks, vs, ksc, vsc = _scales(case, rng, kc)
+        kc, vc, *rest = _write(kx, vx, kc, slots, ks, vs, ksc, vsc, case)
+        sides = tuple(rest) if rest else (None, None)
+        if inline:
+            kwargs.update(key_scale_cache="inline", value_scale_cache="inline", head_dim=d,
+                          cache_format=case.cache)
+            sides = (None, None)
+        for name, v in (("key_scale", ks), ("value_scale", vs)):
+            if isinstance(v, float):
+                kwargs[name] = v
+            elif v is not None:
+                args[name] = v
+    table = np.full((num_seqs, width), POISON_PAGE, np.int32)
+    order = rng.permutation(num_pages)
+    k = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[k:k + n]
+        k += n
+    unused = order[k:]
+    kc, vc = _poison(kc, unused), _poison(vc, unused)
+    sides = tuple(None if x is None else _poison(x, unused) for x in sides)
+    q_lens = np.ones(num_seqs, np.int64) if case.query_lens is None else np.asarray(case.query_lens)
+    query = (rng.standard_normal((int(q_lens.sum()), case.num_heads, d)) * 1.3).astype(
+        NP_DTYPES[case.query_dtype])
+    call = dict(kwargs, query=query, block_table=table, seq_lens=lens)
+    call.update(args)
+    if sides[0] is not None:
+        call["key_scale_cache"], call["value_scale_cache"] = sides
+    if case.query_lens is not None:
+        call["query_start_loc"] = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    if case.sinks:
+        call["sinks"] = rng.standard_normal(case.num_heads).astype(np.float32)
+    if case.window is not None:
+        call["sliding_window"] = case.window
+    if case.soft_cap is not None:
+        call["logits_soft_cap"] = case.soft_cap
+    if case.layout != "NHD":
+        call["layout"] = case.layout
+    caches = dict(kv_cache=np.stack([kc, vc], axis=1)) if case.combined else dict(
+        key_cache=kc, value_cache=vc)
+    if case.layers:
+        stacked = ["key_scale_cache", "value_scale_cache"]
+        caches = {n: _stack(a, case, rng) for n, a in caches.items()}
+        for n in stacked:
+            if isinstance(call.get(n), np.ndarray):
+                call[n] = _stack(call[n], case, rng)
+        call["layer"] = case.layer
+    call.update(caches)
+    ref, vmax, mass = reference_attention(**{**dict(key_cache=None, value_cache=None), **call})
+    return dict(call=call, ref=ref, bound=error_bound(ref, vmax, mass, d))
+
+
+def _scatter(x, case: AttentionCase, num_pages: int):
+    """Slot-major rows ``[slots, H, D]`` as pages of the case's layout."""
+    if case.rank == 3:
+        return np.ascontiguousarray(x)
+    p = x.reshape(num_pages, case.page_size, case.num_kv_heads, -1)
+    return np.ascontiguousarray(p if case.layout == "NHD" else p.transpose(0, 2, 1, 3))
+
+
+def _scales(case: AttentionCase, rng, kc):
+    """``(key_scale, value_scale, key_scale_cache, value_scale_cache)`` of a case's FP8 write."""
+    h = case.num_kv_heads
+    if case.scale == "value":
+        return 0.011, 0.017, None, None
+    if case.scale == "tensor":
+        return np.float32([0.012]), np.float32([0.019]), None, None
+    if case.scale == "head":
+        return ((rng.uniform(0.005, 0.03, h)).astype(np.float32),
+                (rng.uniform(0.005, 0.03, h)).astype(np.float32), None, None)
+    if case.scale.startswith("inline"):
+        return None, None, "inline", "inline"
+    shapes = reference.scale_cache_shapes(kc.shape, case.layout)
+    shape = shapes["token_head" if case.scale == "token_head" else "token"]
+    return None, None, np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+
+def _write(kx, vx, kc, slots, ks, vs, ksc, vsc, case):
+    out = reference.write_kv(kx, vx, kc, kc.copy(), slots, ks, vs, layout=case.layout,
+                             key_scale_cache=ksc, value_scale_cache=vsc,
+                             cache_format=case.cache if kc.dtype == np.uint8 else None)
+    return out
+
+
+def _poison(array, pages):
+    """NaN bytes (0xFF: NaN in e4m3, e5m2, bf16, fp16 and fp32) in the pages (or, rank 3,
+    slots) no sequence names."""
+    array = np.array(array, copy=True)
+    array.view(np.uint8)[np.asarray(pages, np.int64)] = 0xFF
+    return array
+
+
+def _stack(array, case: AttentionCase, rng):
+    """``array`` as layer ``case.layer`` of ``case.layers``; the other layers random bytes."""
+    noise = np.frombuffer(rng.bytes(case.layers * array.nbytes), np.uint8)
+    stack = noise.copy().view(array.dtype).reshape((case.layers,) + array.shape)
+    stack[case.layer] = array
+    return stack
