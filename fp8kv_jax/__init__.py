@@ -1,5 +1,5 @@
-"""JAX frontend of fp8kv: exact FP8 paged KV-cache write (with fused RoPE) and page
-dequantization.
+"""JAX frontend of fp8kv: exact FP8 paged KV-cache write (with fused RoPE), page
+dequantization, and paged decode attention over every cache format.
 
 Arrays on an NVIDIA GPU run the core's compiled Triton kernels, handed to XLA as its own Triton
 call where the installed jaxlib and triton allow (``FP8KV_JAX_XLA_TRITON=0`` turns that off), else
@@ -54,12 +54,13 @@ from fp8kv.validate import (check_dequantize, check_layer_in_range, check_slots_
                             check_table_in_range, check_write, dequantized_shape, frontend_args)
 from fp8kv.validate_rope import check_positions_in_range, check_rope_write
 
-from . import _args, _jnp, _shard, _triton
+from . import _args, _attention, _jnp, _shard, _triton
 from ._args import as_array, as_scales, device_array
 from ._xla_triton import XlaTritonWarning
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
-           "rope_write_kv", "rope_write_kv_combined", "XlaTritonWarning"]
+           "rope_write_kv", "rope_write_kv_combined", "XlaTritonWarning",
+           "paged_attention", "paged_attention_combined"]
 
 Scale = Union[float, jax.Array, None]
 ScaleCache = Union[jax.Array, str, None]
@@ -624,3 +625,156 @@ def rope_write_kv_combined(query: jax.Array, key: jax.Array, value: jax.Array,
                        _scales(key_scale, value_scale, key_scale_cache, value_scale_cache),
                        query_scale, query_out, return_key, rope_style, rotary_dim, layout,
                        fp8_format, scale_rounding, check_bounds)
+
+
+def _attend(arrays: dict, query_start_loc, sinks, key_scale, value_scale, key_scale_cache,
+            value_scale_cache, layer, options: dict, check_bounds) -> jax.Array:
+    optional = dict(key_scale=key_scale, value_scale=value_scale,
+                    key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache,
+                    layer=layer, query_start_loc=query_start_loc, sinks=sinks)
+    return _attention.paged_attention(arrays, optional, options, check_bounds)
+
+
+def paged_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
+                    block_table: jax.Array, seq_lens: jax.Array, key_scale: Scale = None,
+                    value_scale: Scale = None, *, query_start_loc: jax.Array | None = None,
+                    softmax_scale: float | None = None, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None, sinks: jax.Array | None = None,
+                    key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
+                    cache_format: str | None = None, layout: str = "NHD",
+                    head_dim: int | None = None, layer: Layer = None,
+                    max_query_len: int | None = None, check_bounds: bool = False) -> jax.Array:
+    """Attention of new query tokens over a paged KV cache, read as :func:`write_kv` wrote it
+    (docs/SPEC.md section 16): FP8, NVFP4 or bf16 / fp16 pages, no dequantized copy.
+
+    Parameters
+    ----------
+    query : jax.Array
+        ``[num_tokens, num_heads, head_dim]``, bfloat16 or float16. Query head ``j`` attends
+        with kv head ``j // (num_heads // num_kv_heads)``.
+    key_cache, value_cache : jax.Array
+        The caches of :func:`write_kv` (any format, layout and rank; ``layer=``: stacked
+        ``[num_layers, ...]``), or unquantized bfloat16 / float16 caches of the query's dtype:
+
+        * ``layout="NHD"``: ``[num_pages, page_size, num_kv_heads, head_dim]``
+        * ``layout="HND"``: ``[num_pages, num_kv_heads, page_size, head_dim]``
+        * either layout: ``[num_slots, num_kv_heads, head_dim]`` (page_size 1)
+
+        (nvfp4: ``head_dim / 2`` bytes; inline scales: ``head_dim + 4`` / ``+ 16`` bytes.)
+    block_table : jax.Array
+        ``[num_seqs, max_pages]`` int32; may be traced.
+    seq_lens : jax.Array
+        ``[num_seqs]`` int32, the tokens in the cache (the query tokens included); may be traced.
+    key_scale, value_scale : None, float or jax.Array
+        The static scales the cache was written with (float32 ``[]``, ``[1]`` or
+        ``[num_kv_heads]``); nvfp4: the global scales. None with dynamic scales.
+    query_start_loc : jax.Array, optional
+        ``[num_seqs + 1]`` int32: sequence ``b``'s query tokens are rows
+        ``query_start_loc[b] .. query_start_loc[b + 1] - 1`` (up to 16), at its last positions,
+        causal among themselves. None: one token per sequence.
+    softmax_scale : float, optional
+        Default ``1 / sqrt(head_dim)``.
+    sliding_window : int, optional
+        A token at position ``p`` sees positions ``p - sliding_window + 1 .. p``.
+    logits_soft_cap : float, optional
+        Scores become ``cap * tanh(score / cap)``.
+    sinks : jax.Array, optional
+        ``[num_heads]`` float32: a logit per query head added to the softmax's denominator.
+    key_scale_cache, value_scale_cache : None, jax.Array or "inline"
+        Dynamic scales as :func:`write_kv` stored them; nvfp4: the block scales.
+    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
+        The format of a uint8 cache (None: the cache's dtype, or e4m3).
+    layout : {"NHD", "HND"}
+    head_dim : int, optional
+        The data columns of an inline-scale cache (default: the query's).
+    layer : None, int or jax.Array
+        Stacked caches: the layer read (an int32 array may be traced, e.g. a ``lax.scan``
+        index). Out of range: zeros.
+    max_query_len : int, optional
+        The longest query of the call (1..16; default ``min(16, num_tokens)`` with
+        ``query_start_loc``): it sizes the launch.
+    check_bounds : bool
+        Read ``seq_lens`` (and ``query_start_loc``, ``layer``) on the host and raise for a
+        sequence past its block-table row or a query longer than allowed; concrete arrays only.
+
+    Returns
+    -------
+    jax.Array
+        ``[num_tokens, num_heads, head_dim]`` in the query's dtype: within docs/SPEC.md
+        section 16.3's bound of fp64 attention over the cache's values; on NVIDIA GPUs the
+        bytes of ``fp8kv_torch.paged_attention`` (the same kernels and plan).
+
+    Note
+    ----
+    The caches are read where they are (under ``jax.jit`` no copy is made); caches sharded over
+    kv heads with a ``NamedSharding`` stay sharded (queries and output over query heads).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, fp8kv_jax
+    >>> x = jnp.arange(1.0, 6.0)[:, None, None] * jnp.ones((5, 1, 16))  # 5 tokens' K = V
+    >>> k, v = fp8kv_jax.write_kv(x, x, jnp.zeros((2, 4, 1, 16), jnp.float8_e4m3fn),
+    ...                           jnp.zeros((2, 4, 1, 16), jnp.float8_e4m3fn), jnp.arange(5))
+    >>> out = fp8kv_jax.paged_attention(jnp.zeros((1, 2, 16), jnp.bfloat16), k, v,
+    ...                                 jnp.array([[0, 1]], jnp.int32), jnp.array([5], jnp.int32))
+    >>> out[0, :, 0].tolist()                                            # the mean of 1..5
+    [3.0, 3.0]
+    """
+    options = dict(softmax_scale=softmax_scale, sliding_window=sliding_window,
+                   logits_soft_cap=logits_soft_cap, cache_format=cache_format, layout=layout,
+                   head_dim=head_dim, max_query_len=max_query_len)
+    return _attend(dict(query=query, key_cache=key_cache, value_cache=value_cache,
+                        block_table=block_table, seq_lens=seq_lens), query_start_loc, sinks,
+                   key_scale, value_scale, key_scale_cache, value_scale_cache, layer, options,
+                   check_bounds)
+
+
+def paged_attention_combined(query: jax.Array, kv_cache: jax.Array, block_table: jax.Array,
+                             seq_lens: jax.Array, key_scale: Scale = None,
+                             value_scale: Scale = None, *,
+                             query_start_loc: jax.Array | None = None,
+                             softmax_scale: float | None = None,
+                             sliding_window: int | None = None,
+                             logits_soft_cap: float | None = None,
+                             sinks: jax.Array | None = None, key_scale_cache: ScaleCache = None,
+                             value_scale_cache: ScaleCache = None,
+                             cache_format: str | None = None, layout: str = "NHD",
+                             head_dim: int | None = None, layer: Layer = None,
+                             max_query_len: int | None = None,
+                             check_bounds: bool = False) -> jax.Array:
+    """:func:`paged_attention` over one combined cache.
+
+    Parameters
+    ----------
+    kv_cache : jax.Array
+        ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD),
+        ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
+        ``[num_slots, 2, num_kv_heads, head_dim]``: index 0 of dim 1 is K, 1 is V.
+
+    Other parameters are those of :func:`paged_attention`.
+
+    Returns
+    -------
+    jax.Array
+        As :func:`paged_attention`.
+
+    Note
+    ----
+    As :func:`paged_attention`: the cache is only read.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, fp8kv_jax
+    >>> kv = jnp.zeros((1, 2, 4, 1, 16), jnp.bfloat16).at[0, 1, :2].set(2.0)  # V of tokens 0, 1
+    >>> out = fp8kv_jax.paged_attention_combined(jnp.zeros((1, 1, 16), jnp.bfloat16), kv,
+    ...                                          jnp.array([[0]], jnp.int32),
+    ...                                          jnp.array([2], jnp.int32))
+    >>> out[0, 0, :2].tolist()
+    [2.0, 2.0]
+    """
+    options = dict(softmax_scale=softmax_scale, sliding_window=sliding_window,
+                   logits_soft_cap=logits_soft_cap, cache_format=cache_format, layout=layout,
+                   head_dim=head_dim, max_query_len=max_query_len)
+    return _attend(dict(query=query, kv_cache=kv_cache, block_table=block_table,
+                        seq_lens=seq_lens), query_start_loc, sinks, key_scale, value_scale,
+                   key_scale_cache, value_scale_cache, layer, options, check_bounds)

@@ -1,5 +1,5 @@
-"""PyTorch frontend of fp8kv: exact FP8 paged KV-cache write (with fused RoPE) and page
-dequantization.
+"""PyTorch frontend of fp8kv: exact FP8 paged KV-cache write (with fused RoPE), page
+dequantization, and paged decode attention over every cache format.
 
 CUDA tensors run the compiled Triton kernels; CPU tensors run the same kernels under Triton's
 interpreter (slow, for tests and CPU-only development). Every function is also a
@@ -20,7 +20,7 @@ except ImportError as e:   # torch is the extra "torch" of fp8kv, not a dependen
 
 from fp8kv.spelling import check_flag
 
-from . import _launch
+from . import _attention, _launch
 from ._fast import FastPathWarning
 from ._spelling import output_dtype
 from ._ops import (dequantize_pages_combined_op, dequantize_pages_op, rope_write_kv_combined_op,
@@ -28,7 +28,8 @@ from ._ops import (dequantize_pages_combined_op, dequantize_pages_op, rope_write
                    write_kv_combined_op, write_kv_op)
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
-           "rope_write_kv", "rope_write_kv_combined", "FastPathWarning"]
+           "rope_write_kv", "rope_write_kv_combined", "paged_attention",
+           "paged_attention_combined", "FastPathWarning"]
 
 Tensor = torch.Tensor
 Scale = Union[float, Tensor, None]
@@ -535,3 +536,159 @@ def rope_write_kv_combined(query: Tensor, key: Tensor, value: Tensor, kv_cache: 
                        key_scale, value_scale, rope_style, rotary_dim, query_scale, query_out,
                        key_out, layout, fp8_format, key_scale_cache, value_scale_cache,
                        scale_rounding, check_bounds)
+
+
+def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+                    seq_lens: Tensor, key_scale: Scale = None, value_scale: Scale = None, *,
+                    query_start_loc: Tensor | None = None, softmax_scale: float | None = None,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: Tensor | None = None, key_scale_cache: ScaleCache = None,
+                    value_scale_cache: ScaleCache = None, cache_format: str | None = None,
+                    layout: str = "NHD", head_dim: int | None = None, layer: Layer = None,
+                    max_query_len: int | None = None, check_bounds: bool = False,
+                    out: Tensor | None = None) -> Tensor:
+    """Attention of new query tokens over a paged KV cache, read as ``write_kv`` wrote it
+    (docs/SPEC.md section 16): FP8, NVFP4 or bf16 / fp16 pages, no dequantized copy.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``[num_tokens, num_heads, head_dim]``, bfloat16 or float16. Query head ``j`` attends
+        with kv head ``j // (num_heads // num_kv_heads)``.
+    key_cache, value_cache : torch.Tensor
+        The caches of :func:`write_kv` (any format, layout and rank; ``layer=``: stacked
+        ``[num_layers, ...]``), or unquantized bfloat16 / float16 caches of the query's dtype:
+
+        * ``layout="NHD"``: ``[num_pages, page_size, num_kv_heads, head_dim]``
+        * ``layout="HND"``: ``[num_pages, num_kv_heads, page_size, head_dim]``
+        * either layout: ``[num_slots, num_kv_heads, head_dim]`` (page_size 1)
+
+        (nvfp4: ``head_dim / 2`` bytes; inline scales: ``head_dim + 4`` / ``+ 16`` bytes.)
+    block_table : torch.Tensor
+        ``[num_seqs, max_pages]`` int32: token ``t`` of sequence ``b`` is at slot
+        ``t % page_size`` of page ``block_table[b, t // page_size]``. Entries past a sequence's
+        pages are never read.
+    seq_lens : torch.Tensor
+        ``[num_seqs]`` int32, on the device (no host sync): the tokens in the cache, the query
+        tokens included (write them first).
+    key_scale, value_scale : None, float or torch.Tensor
+        The static scales the cache was written with (float32 ``[]``, ``[1]`` or
+        ``[num_kv_heads]``); nvfp4: the global scales. None with dynamic scales.
+    query_start_loc : torch.Tensor, optional
+        ``[num_seqs + 1]`` int32: sequence ``b``'s query tokens are rows
+        ``query_start_loc[b] .. query_start_loc[b + 1] - 1`` (up to 16, speculative decoding /
+        MTP), at the sequence's last positions, causal among themselves. None: one token per
+        sequence (``num_tokens == num_seqs``).
+    softmax_scale : float, optional
+        Default ``1 / sqrt(head_dim)``.
+    sliding_window : int, optional
+        A token at position ``p`` sees positions ``p - sliding_window + 1 .. p``.
+    logits_soft_cap : float, optional
+        Scores become ``cap * tanh(score / cap)``.
+    sinks : torch.Tensor, optional
+        ``[num_heads]`` float32: a logit per query head added to the softmax's denominator.
+    key_scale_cache, value_scale_cache : None, torch.Tensor or "inline"
+        Dynamic scales as :func:`write_kv` stored them (float32 ``[num_pages, page_size,
+        num_kv_heads]`` NHD / ``[num_pages, num_kv_heads, page_size]`` HND per token-head,
+        ``[num_pages, page_size]`` per token, or ``"inline"``); nvfp4: the block scales.
+    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
+        The format of a uint8 cache (None: the cache's dtype, or e4m3).
+    layout : {"NHD", "HND"}
+    head_dim : int, optional
+        The data columns of an inline-scale cache (default: the query's).
+    layer : None, int or torch.Tensor
+        Stacked caches: the layer read (an int32 / int64 device scalar for CUDA graphs). Out of
+        range: zeros.
+    max_query_len : int, optional
+        The longest query of the call (1..16; default ``min(16, num_tokens)`` with
+        ``query_start_loc``): it sizes the launch, so an engine passes its speculative length.
+    check_bounds : bool
+        Read ``seq_lens`` (and ``query_start_loc``, ``layer``) on the host and raise for a
+        sequence past its block-table row or a query longer than allowed (a device sync).
+    out : torch.Tensor, optional
+        ``[num_tokens, num_heads, head_dim]`` in the query's dtype, contiguous, overwritten.
+
+    Returns
+    -------
+    torch.Tensor
+        ``out`` (or a new tensor): ``softmax(q k^T * softmax_scale) v`` per query row, within
+        docs/SPEC.md section 16.3's bound of fp64 attention over the cache's values.
+
+    Note
+    ----
+    Nothing but ``out`` is written. The same call gives the same bytes every time (fixed split
+    and merge order); it allocates a small fp32 workspace when it splits a sequence's tokens.
+
+    Examples
+    --------
+    >>> import torch, fp8kv_torch
+    >>> k = torch.zeros(2, 4, 1, 16, dtype=torch.float8_e4m3fn)       # 2 pages of 4 tokens
+    >>> v = torch.zeros_like(k)
+    >>> x = torch.arange(1.0, 6.0)[:, None, None].repeat(1, 1, 16)     # 5 tokens' K = V
+    >>> fp8kv_torch.write_kv(x, x, k, v, torch.arange(5))
+    >>> q = torch.zeros(1, 2, 16, dtype=torch.bfloat16)               # 1 token, 2 query heads
+    >>> out = fp8kv_torch.paged_attention(q, k, v, torch.tensor([[0, 1]], dtype=torch.int32),
+    ...                                   torch.tensor([5], dtype=torch.int32))
+    >>> out[0, :, 0].tolist()                                          # the mean of 1..5
+    [3.0, 3.0]
+    """
+    return _attention.call(query, (key_cache, value_cache), block_table, seq_lens, key_scale,
+                           value_scale, query_start_loc=query_start_loc,
+                           softmax_scale=softmax_scale, sliding_window=sliding_window,
+                           logits_soft_cap=logits_soft_cap, sinks=sinks,
+                           key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache,
+                           cache_format=cache_format, layout=layout, head_dim=head_dim,
+                           layer=layer, max_query_len=max_query_len, check_bounds=check_bounds,
+                           out=out)
+
+
+def paged_attention_combined(query: Tensor, kv_cache: Tensor, block_table: Tensor,
+                             seq_lens: Tensor, key_scale: Scale = None, value_scale: Scale = None,
+                             *, query_start_loc: Tensor | None = None,
+                             softmax_scale: float | None = None,
+                             sliding_window: int | None = None,
+                             logits_soft_cap: float | None = None, sinks: Tensor | None = None,
+                             key_scale_cache: ScaleCache = None,
+                             value_scale_cache: ScaleCache = None,
+                             cache_format: str | None = None, layout: str = "NHD",
+                             head_dim: int | None = None, layer: Layer = None,
+                             max_query_len: int | None = None, check_bounds: bool = False,
+                             out: Tensor | None = None) -> Tensor:
+    """:func:`paged_attention` over one combined cache.
+
+    Parameters
+    ----------
+    kv_cache : torch.Tensor
+        ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD),
+        ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND) or
+        ``[num_slots, 2, num_kv_heads, head_dim]``: index 0 of dim 1 is K, 1 is V.
+
+    Other parameters are those of :func:`paged_attention`.
+
+    Returns
+    -------
+    torch.Tensor
+        As :func:`paged_attention`.
+
+    Note
+    ----
+    As :func:`paged_attention`: only ``out`` is written.
+
+    Examples
+    --------
+    >>> import torch, fp8kv_torch
+    >>> kv = torch.zeros(1, 2, 4, 1, 16, dtype=torch.bfloat16)         # unquantized, 1 page
+    >>> kv[0, 1, :2] = 2.0                                             # V of tokens 0, 1
+    >>> q = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
+    >>> out = fp8kv_torch.paged_attention_combined(q, kv, torch.tensor([[0]], dtype=torch.int32),
+    ...                                            torch.tensor([2], dtype=torch.int32))
+    >>> out[0, 0, :2].tolist()
+    [2.0, 2.0]
+    """
+    return _attention.call(query, (kv_cache,), block_table, seq_lens, key_scale, value_scale,
+                           query_start_loc=query_start_loc, softmax_scale=softmax_scale,
+                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                           sinks=sinks, key_scale_cache=key_scale_cache,
+                           value_scale_cache=value_scale_cache, cache_format=cache_format,
+                           layout=layout, head_dim=head_dim, layer=layer,
+                           max_query_len=max_query_len, check_bounds=check_bounds, out=out)

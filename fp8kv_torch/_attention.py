@@ -7,13 +7,15 @@ two launches.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fp8kv import ops
 from fp8kv.attention import (AttentionArgs, attention_operands, check_attention, check_out,
                              check_seq_lens_in_range, merge_operands, plan_attention)
 from fp8kv.binding import bind
-from fp8kv.plan import CUDA, INTERPRET
+from fp8kv.plan import INTERPRET
 from fp8kv.validate import frontend_args
 
 from ._launch import _backend, check_layer_bounds, host_values, info, typed
@@ -27,6 +29,7 @@ OPTIONS = ("softmax_scale", "sliding_window", "logits_soft_cap", "cache_format",
 
 _READY: dict = {}
 _READY_LIMIT = 1024
+Tensor = torch.Tensor
 
 
 class _Ready:
@@ -136,4 +139,111 @@ def clear() -> None:
     plan_attention.cache_clear()
 
 
-__all__ = ["paged_attention", "CUDA"]
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library custom ops: what torch.compile sees (eager calls skip the dispatcher). The op
+# writes a given ``out`` (the frontend makes one when the caller gives none). Custom ops take
+# neither ``float | Tensor`` nor ``str | Tensor`` nor ``int | Tensor``: scales, scale caches and
+# the layer come split (fp8kv_torch._ops' helpers).
+
+def _attention_op(launch: bool, combined: bool):
+    from ._ops import _layer, _scales
+
+    def run(query, caches, block_table, seq_lens, key_scale, value_scale, key_scale_value,
+            value_scale_value, query_start_loc, softmax_scale, sliding_window, logits_soft_cap,
+            sinks, key_scale_cache, value_scale_cache, key_scale_inline, value_scale_inline,
+            cache_format, layout, head_dim, layer, layer_tensor, max_query_len, out):
+        s = _scales(key_scale, value_scale, key_scale_value, value_scale_value, key_scale_cache,
+                    value_scale_cache, key_scale_inline, value_scale_inline)
+        named = dict(kv_cache=caches[0]) if combined else dict(key_cache=caches[0],
+                                                               value_cache=caches[1])
+        paged_attention(query, block_table=block_table, seq_lens=seq_lens, **named, **s,
+                        query_start_loc=query_start_loc, softmax_scale=softmax_scale,
+                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                        sinks=sinks, cache_format=cache_format, layout=layout,
+                        head_dim=head_dim, layer=_layer(layer, layer_tensor),
+                        max_query_len=max_query_len, out=out, launch=launch)
+
+    if combined:
+        def paged_attention_combined(
+                query: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                key_scale: Optional[Tensor], value_scale: Optional[Tensor],
+                key_scale_value: Optional[float], value_scale_value: Optional[float],
+                query_start_loc: Optional[Tensor], softmax_scale: Optional[float],
+                sliding_window: Optional[int], logits_soft_cap: Optional[float],
+                sinks: Optional[Tensor], key_scale_cache: Optional[Tensor],
+                value_scale_cache: Optional[Tensor], key_scale_inline: bool,
+                value_scale_inline: bool, cache_format: Optional[str], layout: str,
+                head_dim: Optional[int], layer: Optional[int], layer_tensor: Optional[Tensor],
+                max_query_len: Optional[int], out: Tensor) -> None:
+            run(query, (kv_cache,), block_table, seq_lens, key_scale, value_scale,
+                key_scale_value, value_scale_value, query_start_loc, softmax_scale,
+                sliding_window, logits_soft_cap, sinks, key_scale_cache, value_scale_cache,
+                key_scale_inline, value_scale_inline, cache_format, layout, head_dim, layer,
+                layer_tensor, max_query_len, out)
+        return paged_attention_combined
+
+    def paged_attention_op(
+            query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+            seq_lens: Tensor, key_scale: Optional[Tensor], value_scale: Optional[Tensor],
+            key_scale_value: Optional[float], value_scale_value: Optional[float],
+            query_start_loc: Optional[Tensor], softmax_scale: Optional[float],
+            sliding_window: Optional[int], logits_soft_cap: Optional[float],
+            sinks: Optional[Tensor], key_scale_cache: Optional[Tensor],
+            value_scale_cache: Optional[Tensor], key_scale_inline: bool,
+            value_scale_inline: bool, cache_format: Optional[str], layout: str,
+            head_dim: Optional[int], layer: Optional[int], layer_tensor: Optional[Tensor],
+            max_query_len: Optional[int], out: Tensor) -> None:
+        run(query, (key_cache, value_cache), block_table, seq_lens, key_scale, value_scale,
+            key_scale_value, value_scale_value, query_start_loc, softmax_scale, sliding_window,
+            logits_soft_cap, sinks, key_scale_cache, value_scale_cache, key_scale_inline,
+            value_scale_inline, cache_format, layout, head_dim, layer, layer_tensor,
+            max_query_len, out)
+    paged_attention_op.__name__ = "paged_attention"
+    return paged_attention_op
+
+
+def _register(name: str, combined: bool):
+    op = torch.library.custom_op(f"fp8kv::{name}", mutates_args=("out",))(
+        _attention_op(True, combined))
+    op.register_fake(_attention_op(False, combined))
+    return op
+
+
+paged_attention_op = _register("paged_attention", False)
+paged_attention_combined_op = _register("paged_attention_combined", True)
+
+
+def call(query, caches: tuple, block_table, seq_lens, key_scale, value_scale, *,
+         query_start_loc, softmax_scale, sliding_window, logits_soft_cap, sinks,
+         key_scale_cache, value_scale_cache, cache_format, layout, head_dim, layer,
+         max_query_len, check_bounds, out):
+    """The public functions' body: the launcher eagerly, the custom op under torch.compile."""
+    from fp8kv.spelling import check_flag
+
+    from ._ops import split_layer, split_scales
+
+    check_flag(check_bounds, "check_bounds")
+    named = dict(kv_cache=caches[0]) if len(caches) == 1 else dict(key_cache=caches[0],
+                                                                   value_cache=caches[1])
+    if not torch.compiler.is_compiling():
+        return paged_attention(query, block_table=block_table, seq_lens=seq_lens,
+                               key_scale=key_scale, value_scale=value_scale,
+                               query_start_loc=query_start_loc, softmax_scale=softmax_scale,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                               sinks=sinks, key_scale_cache=key_scale_cache,
+                               value_scale_cache=value_scale_cache, cache_format=cache_format,
+                               layout=layout, head_dim=head_dim, layer=layer, out=out,
+                               max_query_len=max_query_len, check_bounds=check_bounds, **named)
+    if check_bounds:
+        host_values(seq_lens, "seq_lens")   # raises: no host reads in a compiled graph
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
+                                        value_scale_cache)
+    op = paged_attention_combined_op if len(caches) == 1 else paged_attention_op
+    op(query, *caches, block_table, seq_lens, *scales[:2], *scales[2:], query_start_loc,
+       softmax_scale, sliding_window, logits_soft_cap, sinks, *scale_caches, cache_format,
+       layout, head_dim, *split_layer(layer), max_query_len, out)
+    return out

@@ -201,8 +201,10 @@ def _poison(array, pages):
 
 
 def _stack(array, case: AttentionCase, rng):
-    """``array`` as layer ``case.layer`` of ``case.layers``; the other layers random bytes."""
+    """``array`` as layer ``case.layer`` of ``case.layers`` (none: out of range); the other
+    layers random bytes."""
     noise = np.frombuffer(rng.bytes(case.layers * array.nbytes), np.uint8)
     stack = noise.copy().view(array.dtype).reshape((case.layers,) + array.shape)
-    stack[case.layer] = array
+    if case.layer < case.layers:
+        stack[case.layer] = array
     return stack

@@ -1,0 +1,339 @@
+"""``paged_attention`` (docs/SPEC.md section 16) through torch: every cache format, scale kind,
+layout and option against the fp64 reference within the spec's bound, on the interpreter (CPU)
+and compiled (GPU); the GPU's exact and fast conversions give the same bytes; a call repeats its
+bytes; CUDA graphs, torch.compile; bad inputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fp8kv_torch  # noqa: E402
+from fp8kv.attention import ATTENTION_SIZES, plan_attention, splits_for  # noqa: E402
+from fp8kv.plan import CUDA, INTERPRET  # noqa: E402
+from fp8kv_torch import _attention  # noqa: E402
+from tests.attention_cases import AttentionCase, build  # noqa: E402
+from tests.helpers import requires_cuda, to_torch  # noqa: E402
+
+# One case per feature; each runs on every device (the interpreter: a second or two each).
+CASES = [
+    AttentionCase(),
+    AttentionCase(cache="e5m2", scale="tensor", seq_lens=(9, 0, 17), num_heads=4,
+                  num_kv_heads=4, head_dim=32, page_size=4),
+    AttentionCase(cache="bfloat16", seq_lens=(20, 33), num_heads=4, head_dim=32),
+    AttentionCase(cache="float16", query_dtype="float16", seq_lens=(3,), num_heads=4,
+                  num_kv_heads=1, head_dim=32, page_size=1, rank=3),
+    AttentionCase(scale="head", layout="HND", seq_lens=(18, 40), head_dim=32, page_size=8),
+    AttentionCase(scale="token_head", seq_lens=(25, 2), head_dim=32, page_size=8),
+    AttentionCase(scale="token", seq_lens=(25,), head_dim=32, page_size=8, num_heads=4),
+    AttentionCase(scale="inline", seq_lens=(12, 30), head_dim=32, page_size=8),
+    AttentionCase(scale="inline16", seq_lens=(12,), head_dim=32, page_size=8, layout="HND"),
+    AttentionCase(cache="nvfp4", seq_lens=(21, 40), head_dim=32, page_size=8),
+    AttentionCase(cache="nvfp4", scale="tensor", seq_lens=(7,), head_dim=80, page_size=4,
+                  layout="HND", num_heads=2, num_kv_heads=1),
+    AttentionCase(combined=True, seq_lens=(21, 9), head_dim=32, page_size=8),
+    AttentionCase(layers=3, layer=1, seq_lens=(21, 9), head_dim=32, page_size=8),
+    AttentionCase(layers=2, layer=2, seq_lens=(5,), head_dim=16, page_size=4),   # out of range
+    AttentionCase(query_lens=(3, 1), seq_lens=(30, 7), head_dim=32, page_size=4, window=6,
+                  num_heads=4, num_kv_heads=1),
+    AttentionCase(query_lens=(4, 0, 2), seq_lens=(9, 3, 2), head_dim=16, page_size=2,
+                  num_heads=8, num_kv_heads=1),      # two row tiles: 4 tokens x 8 heads
+    AttentionCase(soft_cap=4.0, sinks=True, seq_lens=(30, 0), head_dim=32, page_size=4),
+    AttentionCase(head_dim=80, seq_lens=(30,), page_size=16, num_heads=2, num_kv_heads=2),
+    AttentionCase(seq_lens=(150,), head_dim=32, page_size=16, num_heads=2, num_kv_heads=1),
+]
+
+
+def call_of(case: AttentionCase, device):
+    c = build(case)
+    return {k: to_torch(v, device) if isinstance(v, np.ndarray) else v
+            for k, v in c["call"].items()}, c
+
+
+def attend(call: dict, **kw):
+    call = dict(call)
+    if "kv_cache" in call:
+        return fp8kv_torch.paged_attention_combined(call.pop("query"), call.pop("kv_cache"),
+                                                    call.pop("block_table"),
+                                                    call.pop("seq_lens"), **call, **kw)
+    return fp8kv_torch.paged_attention(call.pop("query"), call.pop("key_cache"),
+                                       call.pop("value_cache"), call.pop("block_table"),
+                                       call.pop("seq_lens"), **call, **kw)
+
+
+def within_bound(out, c):
+    got = out.float().cpu().numpy()
+    err = np.abs(got - c["ref"])
+    bad = np.argwhere(~(err <= c["bound"]))
+    assert not bad.size, (f"{len(bad)} elements outside the bound, first {tuple(bad[0])}: "
+                          f"{got[tuple(bad[0])]} vs {c['ref'][tuple(bad[0])]}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_matches_the_reference_within_the_bound(case, device):
+    call, c = call_of(case, device)
+    within_bound(attend(call), c)
+
+
+@pytest.mark.parametrize("case", CASES[:3] + CASES[9:10], ids=lambda c: c.id)
+def test_out_is_written_and_returned(case, device):
+    call, c = call_of(case, device)
+    q = call["query"]
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    assert attend(call, out=out) is out
+    within_bound(out, c)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_gpu_exact_conversions_give_the_fast_bytes_and_calls_repeat(case):
+    call, _ = call_of(case, "cuda")
+    fast = attend(call)
+    again = attend(call)
+    exact = _attention.paged_attention(exact=True, **{
+        ("kv_cache" if k == "kv_cache" else k): v for k, v in call.items()})
+    assert torch.equal(fast.view(torch.int16), again.view(torch.int16))
+    assert torch.equal(fast.view(torch.int16), exact.view(torch.int16))
+
+
+def _random_case(rng) -> AttentionCase:
+    cache = rng.choice(["e4m3", "e5m2", "nvfp4", "bfloat16", "float16"])
+    scales = {"e4m3": ["value", "tensor", "head", "token", "token_head", "inline", "inline16"],
+              "e5m2": ["value", "head", "token_head"], "nvfp4": ["value", "tensor"]}
+    group = int(rng.choice([1, 4, 8, 16]))
+    kv = int(rng.choice([1, 2]))
+    ps = int(rng.choice([1, 4, 16, 64]))
+    rank = 3 if ps == 1 and rng.random() < 0.5 else 4
+    seqs = int(rng.integers(1, 5))
+    q_lens = None
+    if rng.random() < 0.4:
+        q_lens = tuple(int(x) for x in rng.integers(0, 17, seqs))
+    lens = tuple(int(x) for x in rng.integers(0, 300, seqs))
+    if q_lens is not None:
+        lens = tuple(max(n, q) for n, q in zip(lens, q_lens))
+    return AttentionCase(
+        cache=str(cache), scale=str(rng.choice(scales.get(cache, ["value"]))),
+        query_dtype="float16" if cache == "float16" else "bfloat16",
+        layout=str(rng.choice(["NHD", "HND"])), rank=rank, combined=bool(rng.random() < 0.2),
+        layers=0 if cache == "nvfp4" or rng.random() < 0.7 else 3, layer=1,
+        num_heads=group * kv, num_kv_heads=kv,
+        head_dim=int(rng.choice([64, 80, 96, 128, 256])), page_size=ps, seq_lens=lens,
+        query_lens=q_lens, window=int(rng.integers(1, 64)) if rng.random() < 0.3 else None,
+        soft_cap=30.0 if rng.random() < 0.3 else None, sinks=bool(rng.random() < 0.3),
+        seed=int(rng.integers(1 << 30)))
+
+
+RANDOM_CASES = [_random_case(np.random.default_rng(seed)) for seed in range(40)]
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", RANDOM_CASES, ids=lambda c: c.id)
+def test_gpu_random_configurations(case):
+    call, c = call_of(case, "cuda")
+    within_bound(attend(call), c)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_large_batch_splits_and_merges_every_share():
+    case = AttentionCase(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                         seq_lens=(4096, 1, 1000))
+    call, c = call_of(case, "cuda")
+    _attention.clear()
+    out = attend(call)
+    ready = next(iter(_attention._READY.values()))
+    assert ready.plan.merge is not None     # 3 x 8 programs: split
+    within_bound(out, c)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_reads_new_lengths_without_a_sync():
+    case = AttentionCase(seq_lens=(40, 70), head_dim=64)
+    call, c = call_of(case, "cuda")
+    out = torch.empty_like(call["query"])
+    attend(call, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attend(call, out=out)
+    shorter = AttentionCase(seq_lens=(13, 2), head_dim=64)
+    c2 = build(shorter)
+    call["seq_lens"].copy_(to_torch(c2["call"]["seq_lens"], "cuda"))
+    for name in ("key_cache", "value_cache", "block_table", "query"):
+        call[name].copy_(to_torch(c2["call"][name], "cuda"))
+    graph.replay()
+    within_bound(out, c2)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_torch_compile_fullgraph():
+    case = AttentionCase(scale="token_head", seq_lens=(33, 5), head_dim=64, page_size=16)
+    call, c = call_of(case, "cuda")
+    compiled = torch.compile(lambda kw: attend(kw), fullgraph=True)
+    within_bound(compiled(call), c)
+
+
+def test_plan_splits_small_calls_into_powers_of_two():
+    sizes = ATTENTION_SIZES[CUDA]
+    assert splits_for(512, 8192, 64, sizes) == 1
+    for programs, context in ((8, 8192), (64, 4096), (3, 300)):
+        s = splits_for(programs, context, 64, sizes)
+        assert s & (s - 1) == 0 and s <= sizes["max_splits"]
+        assert s == 1 or context // s >= sizes["min_split_tokens"] // 2
+
+
+def test_a_new_signature_is_planned_again():
+    """The ready launch of one call never serves another shape (a longer block table)."""
+    a, _ = call_of(AttentionCase(seq_lens=(5,)), "cpu")
+    b, cb = call_of(AttentionCase(seq_lens=(70,)), "cpu")
+    attend(a)
+    within_bound(attend(b), cb)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs: each a clear error naming the argument, before anything runs.
+
+def _base(device="cpu"):
+    call, _ = call_of(AttentionCase(seq_lens=(20, 9), head_dim=32, page_size=8), device)
+    return call
+
+
+def _raises(call, exc, match, **kw):
+    with pytest.raises(exc, match=match):
+        attend(call, **kw)
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (lambda c: c.update(query=c["query"][:, :3]), ValueError,
+     "query: expected num_heads a multiple of num_kv_heads"),
+    (lambda c: c.update(query=c["query"].float()), TypeError, "query: expected dtype"),
+    (lambda c: c.update(query=c["query"][:1]), ValueError, "query: expected num_tokens == num_seqs"),
+    (lambda c: c.update(query=c["query"][..., :16]), ValueError, "query: expected head_dim 32"),
+    (lambda c: c.update(block_table=c["block_table"].long()), TypeError,
+     "block_table: expected dtype int32"),
+    (lambda c: c.update(seq_lens=c["seq_lens"][:1]), ValueError,
+     r"seq_lens: expected shape \[2\]"),
+    (lambda c: c.update(key_scale=None, key_scale_cache=torch.zeros(3, 8, dtype=torch.float32)),
+     ValueError, "key_scale_cache: expected shape"),
+    (lambda c: c.update(sinks=torch.zeros(3)), ValueError, r"sinks: expected shape \[8\]"),
+    (lambda c: c.update(query_start_loc=torch.tensor([0, 1], dtype=torch.int32)), ValueError,
+     r"query_start_loc: expected shape \[3\]"),
+    (lambda c: c.update(query=c["query"].repeat(17, 1, 1),
+                        query_start_loc=torch.tensor([0, 17, 34], dtype=torch.int32)),
+     ValueError, "query: expected at most 16 query tokens per sequence"),
+    (lambda c: c.update(softmax_scale=-1.0), ValueError, "softmax_scale: expected a finite"),
+    (lambda c: c.update(sliding_window=0), ValueError, "sliding_window: expected an int"),
+    (lambda c: c.update(logits_soft_cap="big"), TypeError, "logits_soft_cap: expected"),
+    (lambda c: c.update(max_query_len=2), ValueError, "max_query_len: expected 1"),
+], ids=["heads-not-a-multiple", "query-dtype", "tokens-without-query-start-loc", "head-dim",
+        "table-dtype", "seq-lens-shape", "scale-cache-shape", "sinks-shape",
+        "query-start-loc-shape", "query-longer-than-16", "softmax-scale", "window",
+        "soft-cap-type", "max-query-len-without-varlen"])
+def test_bad_inputs_name_the_argument(change, exc, match):
+    call = _base()
+    change(call)
+    _raises(call, exc, match)
+
+
+def test_unquantized_cache_of_another_dtype_is_refused():
+    call, _ = call_of(AttentionCase(cache="bfloat16", seq_lens=(4,), head_dim=32), "cpu")
+    call["query"] = call["query"].half()
+    _raises(call, TypeError, "key_cache: expected dtype float16 .that of query.")
+
+
+def test_out_of_another_shape_is_refused_and_left_unwritten():
+    call = _base()
+    out = torch.zeros(2, 8, 16, dtype=torch.bfloat16)
+    _raises(call, ValueError, r"out: expected shape \[2, 8, 32\]", out=out)
+    assert not out.any()
+
+
+def test_check_bounds_finds_a_block_table_too_short_for_seq_lens():
+    call = _base()
+    call["seq_lens"] = torch.tensor([20, 500], dtype=torch.int32)
+    _raises(call, ValueError, "seq_lens: expected 0 <= seq_lens <=", check_bounds=True)
+
+
+def test_the_fake_op_validates_like_the_launch():
+    """torch.compile traces the fake: the same checks, the same message (Dynamo wraps the
+    error in its own)."""
+    call = _base()
+    call["sinks"] = torch.zeros(3)
+    with pytest.raises(Exception, match=r"sinks: expected shape \[8\] \(num_heads\), got \[3\]"):
+        torch.compile(lambda kw: attend(kw), fullgraph=True)(call)
+
+
+def test_interpreter_plan_is_planned_for_small_grids():
+    call = _base()
+    _attention.clear()
+    attend(call)
+    plan = next(iter(_attention._READY.values())).plan
+    assert plan.attention.constexprs["C"].options.exact
+    assert plan_attention.cache_info().currsize >= 1
+    assert INTERPRET in ATTENTION_SIZES
+
+
+# ---------------------------------------------------------------------------------------------
+# Every kernel variant the plans make compiles for Hopper, without a GPU (CI has none).
+
+def _compile_variants():
+    from fp8kv.arrays import ArrayInfo
+
+    def arrays(case):
+        c = build(case)["call"]
+        out = {}
+        for n, v in c.items():
+            if isinstance(v, np.ndarray):
+                out[n] = ArrayInfo.contiguous(v.shape, v.dtype.name, "cuda:0")
+            else:
+                out[n] = v
+        return out
+
+    return [
+        ("e4m3", arrays(AttentionCase(num_heads=32, num_kv_heads=8, head_dim=128,
+                                      seq_lens=(64,) * 40))),
+        ("e4m3-split-varlen-window-cap-sinks", arrays(AttentionCase(
+            query_lens=(3, 1), seq_lens=(30, 7), head_dim=64, window=6, soft_cap=4.0,
+            sinks=True))),
+        ("e5m2-head-HND", arrays(AttentionCase(cache="e5m2", scale="head", layout="HND"))),
+        ("bfloat16", arrays(AttentionCase(cache="bfloat16", head_dim=128))),
+        ("float16-d80", arrays(AttentionCase(cache="float16", query_dtype="float16",
+                                             head_dim=80))),
+        ("token-head", arrays(AttentionCase(scale="token_head"))),
+        ("inline", arrays(AttentionCase(scale="inline"))),
+        ("nvfp4", arrays(AttentionCase(cache="nvfp4", head_dim=128))),
+        ("combined-layers", arrays(AttentionCase(combined=True, layers=2, layer=1))),
+    ]
+
+
+@pytest.mark.parametrize("name, arrays", [pytest.param(n, a, id=n) for n, a in _compile_variants()])
+def test_kernels_compile_for_sm90(name, arrays):
+    from fp8kv import ops
+    from fp8kv.attention import attention_operands, check_attention, merge_operands
+    from tests.test_sm90_compile import compile_for_hopper
+
+    args = check_attention(**arrays)
+    plan = plan_attention(args, CUDA)
+    dtypes = {n: a.dtype for n, a in arrays.items() if hasattr(a, "dtype")}
+    dtypes.update(out=args.out_dtype, partial_out="float32", partial_stats="float32")
+    if args.layers is not None and "layer" not in dtypes:
+        dtypes["layer"] = "int32"
+    ops_map = attention_operands(args, plan)
+    compiled = compile_for_hopper(ops._paged_attention_kernel,
+                                  {o.param: dtypes[o.source] for o in ops_map.params},
+                                  plan.attention)
+    ptx = compiled.asm["ptx"]
+    if name == "e4m3":   # the hardware conversion, four codes per instruction pair
+        assert "cvt.rn.f16x2.e4m3x2" in ptx
+    if name == "nvfp4":
+        assert "prmt.b32" in ptx
+    assert "mma.sync" in ptx or "wgmma" in ptx
+    if plan.merge is not None:
+        merge = merge_operands(args)
+        compile_for_hopper(ops._attention_merge_kernel,
+                           {o.param: dtypes[o.source] for o in merge.params}, plan.merge)
