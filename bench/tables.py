@@ -56,6 +56,9 @@ ENTRIES = (
     Entry("dequant", "dequant:table_dequant", "torch",
           about="page dequantization, with fp8kv-jax rows when JAX is usable"),
     Entry("dynamic", "dynamic:table_dynamic", "torch", about="dynamic-scale placements"),
+    Entry("attention", "attention:table_attention", "torch",
+          about="paged decode attention over every cache format, the dequantize route, and in "
+                "JAX against Pallas's GPU paged_attention"),
     Entry("eager", "eager:eager_tables", "torch",
           about="eager calls of fp8kv_torch against single-launch Triton anchors and an empty "
                 "kernel"),
@@ -76,6 +79,7 @@ ENTRIES = (
     Entry("jax layers stacked", "jax_layers:table_stacked", "jax", only=("jax_layers",)),
     Entry("jax layers dequant", "jax_layers:table_dequant", "jax", only=("jax_layers",)),
     Entry("jax layers profile", "jax_layers:table_profile", "jax", only=("jax_layers",)),
+    Entry("jax attention", "attention:table_attention_jax", "jax", only=("attention",)),
     Entry("jax dequant rows", "jax_tables:add_dequant_rows", "jax-rows", only=("dequant",),
           needs="dequant"),
 )
