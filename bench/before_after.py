@@ -11,7 +11,11 @@ L2) timed by ``triton.testing.do_bench`` (median) of
 
 * ``write 65,536``: ``write_kv`` of 65,536 tokens, 8 kv heads x 128, bf16 -> e4m3, device scale;
 * ``dequantize 16x512``: ``dequantize_pages`` of 16 x 512 pages of 16 slots to bf16 (``out=``);
-* ``dynamic write 65,536``: ``write_kv`` with per-token-head scales in side arrays.
+* ``dynamic write 65,536``: ``write_kv`` with per-token-head scales in side arrays;
+* ``write N``: small writes of 1, 64 and 256 tokens (the graph-replay sizes of a decode step);
+* ``rope 65,536 bf16`` / ``rope 65,536 fp8 query``: ``rope_write_kv`` of 65,536 tokens, 32 query
+  heads, the query out in bf16 / as e4m3 codes (``query_scale``);
+* ``nvfp4 write 65,536`` / ``nvfp4 dequantize 16x512``: an NVFP4 cache written, read to bf16.
 
 Prints one line per case (median over rounds of each tree and new / old) and writes
 ``before_after.csv`` and ``before_after.md`` to ``--out``.
@@ -82,6 +86,65 @@ def measure() -> dict:
             torch.empty(16, 512, dtype=torch.int32, device=dev))
     out["dequantize 16x512"] = _graph_us([
         lambda t=t: fp8kv_torch.dequantize_pages(kc, vc, t, scale, scale, out=outs)
+        for t in tables])
+    del outs
+    for n in (1, 64, 256):
+        small = [(torch.randn(n, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+                  torch.randperm(slots_total, device=dev)[:n]) for _ in range(sets)]
+        out[f"write {n}"] = _graph_us([
+            lambda k=k, s=s: fp8kv_torch.write_kv(k, k, kc, vc, s, scale, scale)
+            for k, s in small])
+    out.update(_rope(dev, kc, vc, scale, slots_total, tokens, sets))
+    out.update(_nvfp4(dev, num_pages, slots_total, tokens, sets))
+    return out
+
+
+def _rope(dev, kc, vc, scale, slots_total: int, tokens: int, sets: int) -> dict:
+    import torch
+
+    import fp8kv_torch
+
+    q_heads = 32
+    cos_sin = torch.randn(8192, HEAD_DIM, device=dev)
+    inputs = [(torch.randn(tokens, q_heads, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+               torch.randn(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+               torch.randperm(slots_total, device=dev)[:tokens],
+               torch.randint(0, 8192, (tokens,), device=dev)) for _ in range(sets)]
+    out = {}
+    for name, q_scale in (("rope 65,536 bf16", None), ("rope 65,536 fp8 query", scale)):
+        out[name] = _graph_us([
+            lambda q=q, k=k, s=s, p=p: fp8kv_torch.rope_write_kv(
+                q, k, k, kc, vc, s, p, cos_sin, scale, scale, query_scale=q_scale)
+            for q, k, s, p in inputs])
+    return out
+
+
+def _nvfp4(dev, num_pages: int, slots_total: int, tokens: int, sets: int) -> dict:
+    import torch
+
+    import fp8kv_torch
+
+    codes = torch.zeros(num_pages, PAGE_SIZE, HEADS, HEAD_DIM // 2, dtype=torch.uint8,
+                        device=dev)
+    blocks = torch.zeros(num_pages, PAGE_SIZE, HEADS, HEAD_DIM // 16, dtype=torch.uint8,
+                         device=dev)
+    kc, vc, kb, vb = codes, codes.clone(), blocks, blocks.clone()
+    inputs = [(torch.randn(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev),
+               torch.randperm(slots_total, device=dev)[:tokens]) for _ in range(sets)]
+    out = {"nvfp4 write 65,536": _graph_us([
+        lambda k=k, s=s: fp8kv_torch.write_kv(k, k, kc, vc, s, 0.5, 0.5, key_scale_cache=kb,
+                                              value_scale_cache=vb, cache_format="nvfp4")
+        for k, s in inputs])}
+    tables = [torch.randint(0, num_pages, (16, 512), dtype=torch.int32, device=dev)
+              for _ in range(sets)]
+    pages = (16 * 512, PAGE_SIZE, HEADS, HEAD_DIM)
+    outs = (torch.empty(pages, dtype=torch.bfloat16, device=dev),
+            torch.empty(pages, dtype=torch.bfloat16, device=dev),
+            torch.empty(16, 512, dtype=torch.int32, device=dev))
+    out["nvfp4 dequantize 16x512"] = _graph_us([
+        lambda t=t: fp8kv_torch.dequantize_pages(kc, vc, t, 0.5, 0.5, out=outs,
+                                                 key_scale_cache=kb, value_scale_cache=vb,
+                                                 cache_format="nvfp4")
         for t in tables])
     return out
 
