@@ -19,6 +19,7 @@ import numpy as np
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import bind
 from fp8kv.operands import OperandMap, dequantize_operands, rope_write_operands, write_operands
+from fp8kv.optable import OPS
 from fp8kv.plan import CUDA, plan_dequantize, plan_write
 from fp8kv.plan_rope import plan_rope_write
 from fp8kv.validate import dequantized_shape
@@ -120,14 +121,10 @@ def _dequantize_pages(arrays: dict, *, args, xla: bool) -> dict:
 
     if xla:
         args, arrays = _xla_triton.device_scalars(args, arrays)
-    shape = dequantized_shape(args, args.combined)
-    out = ArrayInfo.contiguous(shape, args.out_dtype, DEVICE)
+    out = ArrayInfo.contiguous(dequantized_shape(args, args.combined), args.out_dtype, DEVICE)
     plan = plan_dequantize(args, out, None if args.combined else out, CUDA)
-    pages = jax.ShapeDtypeStruct(shape, jnp.dtype(args.out_dtype))
-    table = jax.ShapeDtypeStruct((args.batch, args.pages_per_seq), jnp.int32)
-    new = {"key_out": pages, "value_out": pages, "kv_out": pages, "table_out": table}
-    return _launch(getattr(ops, plan.kernel), plan, dequantize_operands(args), arrays, new,
-                   xla=xla)
+    return _launch(getattr(ops, plan.kernel), plan, dequantize_operands(args), arrays,
+                   _new("dequantize_pages", args), xla=xla)
 
 
 @functools.partial(jax.jit, static_argnames=("args",))
@@ -136,7 +133,11 @@ def rope_write_kv(arrays: dict, *, args) -> dict:
     place when donated), a missing one and ``key_out`` are new outputs."""
     from fp8kv import ops  # imports Triton: only on this path
 
-    new = {"query_out": jax.ShapeDtypeStruct(args.query.shape, jnp.dtype(args.query_out.dtype)),
-           "key_out": jax.ShapeDtypeStruct(args.write.key.shape, jnp.dtype(args.write.key.dtype))}
     return _launch(ops._rope_write_kv_kernel, plan_rope_write(args, CUDA),
-                   rope_write_operands(args), arrays, new)
+                   rope_write_operands(args), arrays, _new("rope_write_kv", args))
+
+
+def _new(op: str, args) -> dict:
+    """The outputs a call of ``op`` makes (the op table's), as ShapeDtypeStructs by name."""
+    return {name: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+            for name, (shape, dtype) in OPS[op].made(args).items()}
