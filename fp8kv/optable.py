@@ -216,19 +216,12 @@ def _rope_made(args) -> dict:
     return made
 
 
-def _tokens_empty(args) -> bool:
-    return args.num_tokens == 0
-
-
-def _pages_empty(args) -> bool:
-    return args.batch * args.pages_per_seq == 0
-
-
 WRITE_KV = Op(
     "write_kv",
     (*KEY_VALUE, *_caches(updated=True), SLOTS, *_scales("key", "value"), LAYOUT, FP8_FORMAT,
      *_sides(updated=True), SCALE_ROUNDING, CHECK_BOUNDS, CACHE_FORMAT, LAYER),
-    check_write, _write_bounds, lambda args: {}, _tokens_empty, write_operands,
+    check_write, _write_bounds, lambda args: {}, lambda args: args.num_tokens == 0,
+    write_operands,
     returns=("key_cache", "value_cache", "key_scale_cache", "value_scale_cache"),
     splits=("h", "p", "l"), reads=("slots", "layer"))
 
@@ -251,7 +244,8 @@ DEQUANTIZE_PAGES = Op(
      CHECK_BOUNDS, CACHE_FORMAT,
      Arg("out_scale", Role.SCALE, "the FP8 pages' scale", optional=True, dims="any"), LAYER,
      *_PAGES, _TABLE_OUT),
-    check_dequantize, _dequantize_bounds, _dequantize_made, _pages_empty, dequantize_operands,
+    check_dequantize, _dequantize_bounds, _dequantize_made,
+    lambda args: args.batch * args.pages_per_seq == 0, dequantize_operands,
     returns=("key_out", "value_out", "table_out"), splits=("h",),
     reads=("block_table", "layer"))
 
@@ -270,7 +264,8 @@ ROPE_WRITE_KV = Op(
          frontends=(TORCH,)),
      _option("return_key", "also return the rotated key", frontends=(JAX,)),
      *_sides(updated=True), SCALE_ROUNDING, CHECK_BOUNDS),
-    check_rope_write, _rope_bounds, _rope_made, _tokens_empty, rope_write_operands,
+    check_rope_write, _rope_bounds, _rope_made, lambda args: args.num_tokens == 0,
+    rope_write_operands,
     returns=("query_out", "key_cache", "value_cache", "key_scale_cache", "value_scale_cache",
              "key_out"),
     splits=("h", "p"), reads=("positions", "slots"), paged="write")

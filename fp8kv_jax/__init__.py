@@ -68,8 +68,10 @@ def _call(op: str, named: dict):
         if name in named:
             check_flag(named[name], name)
     arrays = {name: as_array(named[name], name) for name in entry.required(JAX)}
-    optional = {name: (_output(named[name], name) if entry.arg(name).role is Role.OUTPUT
-                       else as_scales(named[name])[0]) for name in entry.optional(JAX)}
+    optional = {name: as_scales(named[name])[0] for name in entry.optional(JAX)}
+    for name in _GIVEN_OUTPUTS[op]:
+        if optional[name] is not None:
+            optional[name] = as_array(optional[name], name)
     options = {name: named[name] for name in entry.options(JAX)}
     if "dtype" in options:
         options["dtype"] = _args.dtype_name(options["dtype"])
@@ -98,12 +100,9 @@ def _call(op: str, named: dict):
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def _output(x, name: str):
-    """A given output as a JAX array (its buffer, or its shape and dtype), or None."""
-    return None if x is None else as_array(x, name)
-
-
 _FLAGS = ("check_bounds", "return_key")   # checked first, in this order
+_GIVEN_OUTPUTS = {name: [n for n in op.optional(JAX) if op.arg(n).role is Role.OUTPUT]
+                  for name, op in OPS.items()}
 
 
 def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache: jax.Array,

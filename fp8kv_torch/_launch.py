@@ -80,9 +80,7 @@ class _Spec:
 
     def result(self, outs):
         """What the torch function returns: ``out=``'s tuple, its one output, or None."""
-        if self.holder or outs is None:
-            return outs
-        return outs[0]
+        return outs if self.holder or outs is None else outs[0]
 
 
 ARGUMENTS = {name: _order(op) for name, op in OPS.items()}

@@ -30,27 +30,18 @@ from . import _launch
 Tensor = torch.Tensor
 
 
-def _scale(value) -> tuple:
-    return (value, None) if isinstance(value, Tensor) else (None, value)
-
-
-def _scale_cache(value) -> tuple:
-    # A scale cache other than "inline" (a wrong type or string) is passed on as is, as by the
-    # eager path: the op's own validation rejects it.
-    return (None, True) if isinstance(value, str) and value == "inline" else (value, False)
-
-
-def _layer(value) -> tuple:
-    return (None, value) if isinstance(value, Tensor) else (value, None)
-
-
-# role: (split, merge, the two halves' (name, type)); a side's flag is key_scale_inline.
+# role: (split, merge, the two halves' (name, type)); a side's flag is key_scale_inline. A scale
+# cache other than "inline" (a wrong type or string) is passed on as is, as by the eager path:
+# the op's own validation rejects it.
 _HALVES = {
-    Role.SCALE: (_scale, lambda t, v: t if t is not None else v,
+    Role.SCALE: (lambda x: (x, None) if isinstance(x, Tensor) else (None, x),
+                 lambda t, v: t if t is not None else v,
                  (("{}", Optional[Tensor]), ("{}_value", Optional[float]))),
-    Role.SIDE: (_scale_cache, lambda t, inline: "inline" if inline else t,
+    Role.SIDE: (lambda x: (None, True) if isinstance(x, str) and x == "inline" else (x, False),
+                lambda t, inline: "inline" if inline else t,
                 (("{}", Optional[Tensor]), ("{}_inline", bool))),
-    Role.LAYER: (_layer, lambda v, t: t if t is not None else v,
+    Role.LAYER: (lambda x: (None, x) if isinstance(x, Tensor) else (x, None),
+                 lambda v, t: t if t is not None else v,
                  (("{}", Optional[int]), ("{}_tensor", Optional[Tensor]))),
 }
 
