@@ -379,6 +379,16 @@ def check_out(out: ArrayInfo, args: AttentionArgs) -> None:
                          f"got strides {fmt_shape(out.strides)}")
 
 
+def attention_bounds(args: AttentionArgs, read) -> None:
+    """The opt-in ``check_bounds`` of a validated call (``read(name)``: an argument's values on
+    the host)."""
+    if args.layers is not None:
+        validate.check_layer_in_range(read("layer"), args.layers.num_layers)
+    check_seq_lens_in_range(read("seq_lens"), read("query_start_loc") if args.varlen else None,
+                            args.block_table.shape[1], args.key_cache.page_size,
+                            args.max_query_len)
+
+
 def check_seq_lens_in_range(seq_lens, query_start_loc, pages_per_seq: int, page_size: int,
                             max_query_len: int) -> None:
     """The opt-in bounds check: every sequence fits its block-table row and holds its query

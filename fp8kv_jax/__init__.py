@@ -49,12 +49,11 @@ except ImportError as e:   # JAX is the extra "jax" of fp8kv, not a dependency: 
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from fp8kv.optable import JAX, OPS, Role
 from fp8kv.spelling import check_flag
-from fp8kv.validate import (check_dequantize, check_layer_in_range, check_slots_in_range,
-                            check_table_in_range, check_write, dequantized_shape, frontend_args)
-from fp8kv.validate_rope import check_positions_in_range, check_rope_write
+from fp8kv.validate import frontend_args
 
-from . import _args, _attention, _jnp, _shard, _triton
+from . import _args, _jnp, _shard, _triton
 from ._args import as_array, as_scales, device_array
 from ._xla_triton import XlaTritonWarning
 
@@ -67,56 +66,51 @@ ScaleCache = Union[jax.Array, str, None]
 Layer = Union[int, jax.Array, None]
 
 
-_SIDE_ARRAYS = ("key_scale_cache", "value_scale_cache")
-
-
-def _scales(key_scale, value_scale, key_scale_cache, value_scale_cache, out_scale=None) -> dict:
-    """The scale arguments by name, NumPy arrays made JAX arrays (the core checks the rest);
-    ``out_scale`` (dequantize) only where given."""
-    names = ("key_scale", "value_scale") + _SIDE_ARRAYS + (("out_scale",) if out_scale is not None
-                                                           else ())
-    return dict(zip(names, as_scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
-                                     out_scale)))
-
-
-def _check_layer_bounds(layer, layers) -> None:
-    """``check_bounds``' check of ``layer=`` (a device array is read on the host)."""
-    if layers is not None:
-        check_layer_in_range(_args.host_values(layer, "layer") if isinstance(layer, jax.Array)
-                             else layer, layers.num_layers)
-
-
-def _write(arrays: dict, scales: dict, layout, fp8_format, scale_rounding, check_bounds,
-           cache_format=None, layer=None):
-    """The new caches (``arrays``' cache entries, in order), then the new side scale arrays
-    (None for a side without one) if any is given."""
-    check_flag(check_bounds, "check_bounds")
-    arrays = {name: as_array(x, name) for name, x in arrays.items()}
-    (layer,) = as_scales(layer)
-    args = check_write(**frontend_args(_args.info, jax.Array, arrays, {**scales, "layer": layer}),
-                       layout=layout, fp8_format=fp8_format, scale_rounding=scale_rounding,
-                       cache_format=cache_format)
-    if check_bounds:
-        _check_layer_bounds(layer, args.layers)
-        check_slots_in_range(_args.host_values(arrays["slots"], "slots"),
-                             args.key_cache.num_slots)
-    caches = [name for name in arrays if name.endswith("cache")]
-    sides = {name: device_array(scales[name]) for name in _SIDE_ARRAYS}
-    given = {**arrays, **{name: device_array(s) for name, s in scales.items()},
-             "layer": device_array(layer)}
-    has_side = any(s is not None for s in sides.values())
-    if args.num_tokens == 0:  # nothing to write: no launch
-        updated = given
+def _call(op: str, named: dict):
+    """One call of a public function (``named``: its arguments by name), as the op table
+    (:mod:`fp8kv.optable`) declares it: validated by the core, run on the Triton kernels or the
+    jnp path, through the partitioning rule where the arrays may be sharded (:mod:`._shard`);
+    its results as the function returns them."""
+    entry = OPS[op]
+    for name in _FLAGS:
+        if name in named:
+            check_flag(named[name], name)
+    arrays = {name: as_array(named[name], name) for name in entry.required(JAX)}
+    optional = {name: as_scales(named[name])[0] for name in entry.optional(JAX)}
+    for name in _GIVEN_OUTPUTS[op]:
+        if optional[name] is not None:
+            optional[name] = as_array(optional[name], name)
+    options = {name: named[name] for name in entry.options(JAX)}
+    if "dtype" in options:
+        options["dtype"] = _args.dtype_name(options["dtype"])
+    args = entry.check(**frontend_args(_args.info, jax.Array, arrays, optional), **options)
+    values = {**arrays, **optional}
+    if named["check_bounds"]:
+        entry.bounds(args, lambda name: _args.host_values(values[name], name)
+                     if isinstance(values[name], jax.Array) else values[name])
+    given = {**arrays, **{name: device_array(x) for name, x in optional.items()}}
+    made = entry.made(args)
+    outputs = tuple(n for n in entry.returns
+                    if n in made or (entry.arg(n).updated and given[n] is not None))
+    if entry.empty(args):  # nothing to compute: no launch
+        updated = {**given, **{n: jnp.zeros(shape, dtype) for n, (shape, dtype) in made.items()
+                               if given.get(n) is None}}
     else:
-        impl = _triton if _args.use_triton([*arrays.values(), *sides.values()]) else _jnp
-        written = caches + [n for n in _SIDE_ARRAYS if sides[n] is not None]
-        options = dict(layout=layout, fp8_format=fp8_format, scale_rounding=scale_rounding,
-                       cache_format=cache_format,
-                       layer=layer if given["layer"] is None else None,
-                       **{n: s for n, s in scales.items() if given[n] is None})
-        updated = _shard.run("write", impl, given, args, tuple(written), options)
-    tail = [updated.get(name) for name in _SIDE_ARRAYS] if has_side else []
-    return tuple(updated[name] for name in caches) + tuple(tail)
+        written = [given[n] for n in entry.optional(JAX)
+                   if entry.arg(n).role in (Role.SIDE, Role.OUTPUT)]
+        impl = _triton if _args.use_triton([*arrays.values(), *written]) else _jnp
+        host = {name: x for name, x in optional.items() if given[name] is None}
+        updated = _shard.run(op, impl, given, args, outputs, {**options, **host})
+    sides = [n for n in entry.returns if entry.arg(n).role is Role.SIDE]
+    with_sides = any(given[n] is not None for n in sides)
+    results = [updated.get(n) for n in entry.returns
+               if n in outputs or (n in sides and with_sides)]
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+_FLAGS = ("check_bounds", "return_key")   # checked first, in this order
+_GIVEN_OUTPUTS = {name: [n for n in op.optional(JAX) if op.arg(n).role is Role.OUTPUT]
+                  for name, op in OPS.items()}
 
 
 def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
@@ -228,10 +222,7 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
     >>> k[0, 1, 0, :8].tolist()
     [-6.0, -6.0, -4.0, -4.0, -3.0, -2.0, -1.0, -0.5]
     """
-    return _write(dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                       slots=slots),
-                  _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), layout,
-                  fp8_format, scale_rounding, check_bounds, cache_format, layer)
+    return _call("write_kv", locals())
 
 
 def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slots: jax.Array,
@@ -273,42 +264,7 @@ def write_kv_combined(key: jax.Array, value: jax.Array, kv_cache: jax.Array, slo
     >>> kv[1, :, 2, 0].tolist()
     [[56, 56, 56, 56], [184, 184, 184, 184]]
     """
-    out = _write(dict(key=key, value=value, kv_cache=kv_cache, slots=slots),
-                 _scales(key_scale, value_scale, key_scale_cache, value_scale_cache), layout,
-                 fp8_format, scale_rounding, check_bounds, cache_format, layer)
-    return out[0] if len(out) == 1 else out
-
-
-def _dequantize(arrays: dict, scales: dict, dtype, layout, fp8_format, null_page, head_dim,
-                check_bounds, cache_format=None, layer=None):
-    """``(key_pages, value_pages, new_block_table)``, or ``(kv_pages, new_block_table)`` for a
-    combined ``arrays["kv_cache"]``."""
-    check_flag(check_bounds, "check_bounds")
-    arrays = {name: as_array(x, name) for name, x in arrays.items()}
-    (layer,) = as_scales(layer)
-    args = check_dequantize(**frontend_args(_args.info, jax.Array, arrays,
-                                            {**scales, "layer": layer}),
-                            dtype=_args.dtype_name(dtype), layout=layout, fp8_format=fp8_format,
-                            null_page=null_page, head_dim=head_dim, cache_format=cache_format)
-    if check_bounds:
-        _check_layer_bounds(layer, args.layers)
-        check_table_in_range(_args.host_values(arrays["block_table"], "block_table"),
-                             args.key_cache.num_pages, null_page)
-    outputs = ("kv_out", "table_out") if args.combined else ("key_out", "value_out", "table_out")
-    if args.batch * args.pages_per_seq == 0:  # no pages to read: no launch
-        pages = jnp.zeros(dequantized_shape(args, args.combined), args.out_dtype)
-        table = jnp.zeros((args.batch, args.pages_per_seq), jnp.int32)
-        return (pages,) * (len(outputs) - 1) + (table,)
-    given = {**arrays, **{name: device_array(s) for name, s in scales.items()},
-             "layer": device_array(layer)}
-    sides = [device_array(scales[name]) for name in _SIDE_ARRAYS]
-    given.setdefault("out_scale", None)
-    impl = _triton if _args.use_triton([*arrays.values(), *sides]) else _jnp
-    options = dict(layout=layout, fp8_format=fp8_format, null_page=null_page, head_dim=head_dim,
-                   cache_format=cache_format, layer=layer if given["layer"] is None else None,
-                   **{n: s for n, s in scales.items() if given[n] is None})
-    out = _shard.run("dequantize", impl, given, args, outputs, options)
-    return tuple(out[name] for name in outputs)
+    return _call("write_kv_combined", locals())
 
 
 def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: jax.Array,
@@ -389,11 +345,7 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
     >>> k[:, 0, 0].tolist(), table.tolist()
     ([[0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]], [[0, 1]])
     """
-    return _dequantize(dict(key_cache=key_cache, value_cache=value_cache, block_table=block_table),
-                       _scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
-                               out_scale), dtype,
-                       layout, fp8_format, null_page, head_dim, check_bounds, cache_format,
-                       layer)
+    return _call("dequantize_pages", locals())
 
 
 def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_scale: Scale = None,
@@ -438,56 +390,15 @@ def dequantize_pages_combined(kv_cache: jax.Array, block_table: jax.Array, key_s
     >>> pages.shape, pages[0, 1, 0, 0].tolist()
     ((1, 2, 1, 1, 2), [-1.0, -1.0])
     """
-    return _dequantize(dict(kv_cache=kv_cache, block_table=block_table),
-                       _scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
-                               out_scale), dtype,
-                       layout, fp8_format, null_page, head_dim, check_bounds, cache_format,
-                       layer)
-
-
-def _rope_write(arrays: dict, scales: dict, query_scale, query_out, return_key, rope_style,
-                rotary_dim, layout, fp8_format, scale_rounding, check_bounds):
-    """``(query_out, *caches)``, then the side scale arrays (None for a side without one) if any
-    is given, then ``key_out`` if ``return_key``."""
-    check_flag(check_bounds, "check_bounds")
-    check_flag(return_key, "return_key")
-    arrays = {name: as_array(x, name) for name, x in arrays.items()}
-    if query_out is not None:
-        query_out = as_array(query_out, "query_out")
-    optional = {**scales, "query_scale": as_scales(query_scale)[0], "query_out": query_out}
-    args = check_rope_write(**frontend_args(_args.info, jax.Array, arrays, optional),
-                            rope_style=rope_style, rotary_dim=rotary_dim, layout=layout,
-                            fp8_format=fp8_format, scale_rounding=scale_rounding,
-                            return_key=return_key)
-    if check_bounds:
-        check_positions_in_range(_args.host_values(arrays["positions"], "positions"),
-                                 args.max_position)
-        check_slots_in_range(_args.host_values(arrays["slots"], "slots"),
-                             args.write.key_cache.num_slots)
-    caches = ("kv_cache",) if args.combined else ("key_cache", "value_cache")
-    sides = {name: device_array(scales[name]) for name in _SIDE_ARRAYS}
-    given = {**arrays, **{name: device_array(x) for name, x in optional.items()}}
-    if args.num_tokens == 0:  # nothing to rotate or write: no launch
-        key = arrays["key"]
-        updated = dict(given, key_out=jnp.zeros(key.shape, key.dtype))
-        if query_out is None:
-            updated["query_out"] = jnp.zeros(args.query.shape, args.query_out.dtype)
-    else:
-        impl = (_triton if _args.use_triton([*arrays.values(), *sides.values(), query_out])
-                else _jnp)
-        updated = impl.rope_write_kv(given, args=args)
-    tail = ([updated.get(name) for name in _SIDE_ARRAYS]
-            if any(s is not None for s in sides.values()) else [])
-    key_out = [updated["key_out"]] if return_key else []
-    return (updated["query_out"], *(updated[name] for name in caches), *tail, *key_out)
+    return _call("dequantize_pages_combined", locals())
 
 
 def rope_write_kv(query: jax.Array, key: jax.Array, value: jax.Array, key_cache: jax.Array,
                   value_cache: jax.Array, slots: jax.Array, positions: jax.Array,
                   cos_sin_cache: jax.Array, key_scale: Scale = None, value_scale: Scale = None, *,
-                  rope_style: str = "neox", rotary_dim: int | None = None,
-                  query_scale: Scale = None, query_out: jax.Array | None = None,
-                  return_key: bool = False, layout: str = "NHD", fp8_format: str | None = None,
+                  query_scale: Scale = None, rope_style: str = "neox",
+                  rotary_dim: int | None = None, layout: str = "NHD", fp8_format: str | None = None,
+                  query_out: jax.Array | None = None, return_key: bool = False,
                   key_scale_cache: ScaleCache = None, value_scale_cache: ScaleCache = None,
                   scale_rounding: str = "exact", check_bounds: bool = False) -> tuple:
     """Apply RoPE to ``query`` and ``key``, then quantize K and V to FP8 and write them into a
@@ -571,21 +482,16 @@ def rope_write_kv(query: jax.Array, key: jax.Array, value: jax.Array, key_cache:
     >>> q_rot.astype(jnp.float32).tolist(), k_cache[1, 1, 0].astype(jnp.float32).tolist()
     ([[[-2.0, 1.0]]], [-8.0, 6.0])
     """
-    return _rope_write(dict(query=query, key=key, value=value, key_cache=key_cache,
-                            value_cache=value_cache, slots=slots, positions=positions,
-                            cos_sin_cache=cos_sin_cache),
-                       _scales(key_scale, value_scale, key_scale_cache, value_scale_cache),
-                       query_scale, query_out, return_key, rope_style, rotary_dim, layout,
-                       fp8_format, scale_rounding, check_bounds)
+    return _call("rope_write_kv", locals())
 
 
 def rope_write_kv_combined(query: jax.Array, key: jax.Array, value: jax.Array,
                            kv_cache: jax.Array, slots: jax.Array, positions: jax.Array,
                            cos_sin_cache: jax.Array, key_scale: Scale = None,
-                           value_scale: Scale = None, *, rope_style: str = "neox",
-                           rotary_dim: int | None = None, query_scale: Scale = None,
-                           query_out: jax.Array | None = None, return_key: bool = False,
+                           value_scale: Scale = None, *, query_scale: Scale = None,
+                           rope_style: str = "neox", rotary_dim: int | None = None,
                            layout: str = "NHD", fp8_format: str | None = None,
+                           query_out: jax.Array | None = None, return_key: bool = False,
                            key_scale_cache: ScaleCache = None,
                            value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
                            check_bounds: bool = False) -> tuple:
@@ -620,19 +526,9 @@ def rope_write_kv_combined(query: jax.Array, key: jax.Array, value: jax.Array,
     >>> q.tolist(), kv[1, :, 2, 0].tolist()                   # cos 0, sin 1: (-x2, x1)
     ([[[-2.0, 1.0]]], [[192, 56], [56, 64]])
     """
-    return _rope_write(dict(query=query, key=key, value=value, kv_cache=kv_cache, slots=slots,
-                            positions=positions, cos_sin_cache=cos_sin_cache),
-                       _scales(key_scale, value_scale, key_scale_cache, value_scale_cache),
-                       query_scale, query_out, return_key, rope_style, rotary_dim, layout,
-                       fp8_format, scale_rounding, check_bounds)
+    return _call("rope_write_kv_combined", locals())
 
 
-def _attend(arrays: dict, query_start_loc, sinks, key_scale, value_scale, key_scale_cache,
-            value_scale_cache, layer, options: dict, check_bounds) -> jax.Array:
-    optional = dict(key_scale=key_scale, value_scale=value_scale,
-                    key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache,
-                    layer=layer, query_start_loc=query_start_loc, sinks=sinks)
-    return _attention.paged_attention(arrays, optional, options, check_bounds)
 
 
 def paged_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
@@ -720,13 +616,7 @@ def paged_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Arr
     >>> out[0, :, 0].tolist()                                            # the mean of 1..5
     [3.0, 3.0]
     """
-    options = dict(softmax_scale=softmax_scale, sliding_window=sliding_window,
-                   logits_soft_cap=logits_soft_cap, cache_format=cache_format, layout=layout,
-                   head_dim=head_dim, max_query_len=max_query_len)
-    return _attend(dict(query=query, key_cache=key_cache, value_cache=value_cache,
-                        block_table=block_table, seq_lens=seq_lens), query_start_loc, sinks,
-                   key_scale, value_scale, key_scale_cache, value_scale_cache, layer, options,
-                   check_bounds)
+    return _call("paged_attention", locals())
 
 
 def paged_attention_combined(query: jax.Array, kv_cache: jax.Array, block_table: jax.Array,
@@ -772,9 +662,4 @@ def paged_attention_combined(query: jax.Array, kv_cache: jax.Array, block_table:
     >>> out[0, 0, :2].tolist()
     [2.0, 2.0]
     """
-    options = dict(softmax_scale=softmax_scale, sliding_window=sliding_window,
-                   logits_soft_cap=logits_soft_cap, cache_format=cache_format, layout=layout,
-                   head_dim=head_dim, max_query_len=max_query_len)
-    return _attend(dict(query=query, kv_cache=kv_cache, block_table=block_table,
-                        seq_lens=seq_lens), query_start_loc, sinks, key_scale, value_scale,
-                   key_scale_cache, value_scale_cache, layer, options, check_bounds)
+    return _call("paged_attention_combined", locals())

@@ -15,6 +15,7 @@ from jax import lax
 
 from fp8kv.formats import CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, E4M3, FP8_OUTPUT_DTYPE, NVFP4
 from fp8kv.modes import ScaleKind, SideScale
+from fp8kv.validate import DequantArgs
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -458,3 +459,92 @@ def _dequantize_nvfp4(arrays: dict, args) -> dict:
     if args.combined:
         return {"kv_out": jnp.stack([k, v], axis=1), "table_out": new_table}
     return {"key_out": k, "value_out": v, "table_out": new_table}
+
+
+# ---------------------------------------------------------------------------------------------
+# paged_attention (docs/SPEC.md section 16)
+
+def _attention_values(given: dict, args):
+    """K and V ``[num_seqs, max_pages * page_size, num_kv_heads, head_dim]`` fp32 in token
+    order (padding entries of the block table give zeros: never seen)."""
+    table = given["block_table"]
+    if args.fmt is None:   # as stored
+        pages = []
+        layer = None
+        if args.layers is not None:
+            layer = jnp.clip(_layer_index(given, args.layers), 0, args.layers.num_layers - 1)
+        index = jnp.clip(table.reshape(-1), 0, args.key_cache.num_pages - 1)
+        for side, name in ((0, "key_cache"), (1, "value_cache")):
+            cache = given["kv_cache" if args.combined else name]
+            if layer is not None:
+                cache = cache[layer]
+            if args.combined:
+                cache = cache[:, side]
+            pages.append(cache[index].astype(jnp.float32))
+    else:
+        dq = DequantArgs(args.num_seqs, table.shape[1], args.block_table, args.key_cache,
+                         args.value_cache, args.fmt, "float32", args.layout, args.cache_rank,
+                         None, args.key_scale, args.value_scale, args.combined, args.inline_pad,
+                         None, args.layers)
+        full = dict(given)
+        for n in ("key_scale", "value_scale", "key_scale_cache", "value_scale_cache", "layer",
+                  "key_cache", "value_cache", "kv_cache"):
+            full.setdefault(n, None)
+        full["out_scale"] = None
+        out = dequantize_pages(full, args=dq)
+        pages = ((out["kv_out"][:, 0], out["kv_out"][:, 1]) if args.combined
+                 else (out["key_out"], out["value_out"]))
+    result = []
+    for p in pages:
+        if args.cache_rank == 4 and args.layout == "HND":
+            p = jnp.swapaxes(p, 1, 2)
+        if args.cache_rank == 3:
+            p = p[:, None]
+        result.append(p.reshape(args.num_seqs, -1, p.shape[2], p.shape[3]))
+    return result
+
+
+@functools.partial(jax.jit, static_argnames=("args",))
+def paged_attention(given: dict, *, args) -> dict:
+    """``{"out": ...}``: docs/SPEC.md section 16.2's formula in fp32 over the values
+    :func:`dequantize_pages` gives (within 16.3's bound; the GPU's kernel has its own bytes)."""
+    k, v = _attention_values(given, args)                                # [B, N, Hkv, D]
+    lens = given["seq_lens"]
+    if args.layers is not None:   # an out-of-range layer: no token seen
+        layer = _layer_index(given, args.layers)
+        lens = jnp.where((layer >= 0) & (layer < args.layers.num_layers), lens, 0)
+    tokens = jnp.arange(args.num_tokens)
+    if args.varlen:
+        qsl = given["query_start_loc"]
+        seq = jnp.clip(jnp.searchsorted(qsl, tokens, side="right") - 1, 0, args.num_seqs - 1)
+        pos = lens[seq] - (qsl[seq + 1] - qsl[seq]) + (tokens - qsl[seq])
+    else:
+        seq = tokens
+        pos = lens - 1
+    group = args.num_heads // args.num_kv_heads
+    q = given["query"].astype(jnp.float32).reshape(args.num_tokens, args.num_kv_heads, group,
+                                                    args.head_dim)
+    ks, vs = k[seq], v[seq]                                     # [T, N, Hkv, D]
+    s = jnp.einsum("thgd,tnhd->thgn", q, ks, precision=lax.Precision.HIGHEST)
+    s = s * jnp.float32(args.softmax_scale)
+    if args.logits_soft_cap is not None:
+        cap = jnp.float32(args.logits_soft_cap)
+        s = cap * jnp.tanh(s / cap)
+    t = jnp.arange(ks.shape[1])
+    seen = t[None, :] <= pos[:, None]
+    if args.sliding_window is not None:
+        seen &= t[None, :] > (pos[:, None] - args.sliding_window)
+    seen = seen[:, None, None, :]
+    s = jnp.where(seen, s, -jnp.inf)
+    top = s.max(axis=-1, keepdims=True)
+    if args.sinks:
+        sink = given["sinks"].reshape(1, args.num_kv_heads, group, 1)
+        top = jnp.maximum(top, sink)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    p = jnp.where(seen, jnp.exp(s - top), 0.0)
+    den = p.sum(axis=-1, keepdims=True)
+    if args.sinks:
+        den = den + jnp.exp(sink - top)
+    o = jnp.einsum("thgn,tnhd->thgd", p, vs, precision=lax.Precision.HIGHEST)
+    o = jnp.where(den > 0, o / jnp.where(den > 0, den, 1.0), 0.0)
+    return {"out": o.reshape(args.out_shape).astype(args.out_dtype)}

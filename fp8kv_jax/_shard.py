@@ -5,9 +5,11 @@ therefore a ``jax.experimental.custom_partitioning`` function whose rule keeps t
 they are: the cache's sharding decides, each of its dimensions has a role (layers ``l``, pages
 ``p``, the combined K/V axis ``k``, slots in a page ``s``, kv heads ``h``, row bytes ``c``), and
 every other array of the call is sharded by the same roles (``key``'s heads with the cache's
-heads, ...). A write may be split over heads, pages and layers (a device writes the slots of its
-own pages into its own layers: slots and layer are shifted by its shard's offset, and the kernels
-skip what falls outside), a dequantize over heads; any other cache sharding raises, naming
+heads, a query's heads with them too, ...): the op table (:mod:`fp8kv.optable`) gives each
+array's roles and the cache roles each op may split. A write (``rope_write_kv`` too) may be split
+over heads and pages, ``write_kv`` over layers too (a device writes the slots of its own pages
+into its own layers: slots and layer are shifted by its shard's offset, and the kernels skip what
+falls outside), a dequantize over heads; any other cache sharding raises, naming
 ``jax.shard_map``. Each device runs the call on its shards through the same path as one device,
 validated and planned for the shard's shapes.
 
@@ -25,30 +27,31 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp8kv.modes import ScaleKind
-from fp8kv.validate import check_dequantize, check_write, frontend_args
+from fp8kv.optable import DIMS, FOLLOWS, JAX, OPS, Role
+from fp8kv.validate import frontend_args
 
 from . import _args, _jnp, _triton
 
 _IMPLS = {"triton": _triton, "jnp": _jnp}
-ROLE_NAMES = {"l": "layer", "p": "pages", "k": "combined K/V", "s": "page_size", "h": "kv heads",
-              "c": "head_dim", "t": "tokens", "d": "head_dim", "b": "batch",
-              "q": "pages_per_seq", "n": "pages", "o": "size-1"}
-SPLITS = {"write": ("h", "p", "l"), "dequantize": ("h",)}   # the cache roles a call may split
-SCALES = ("key_scale", "value_scale", "key_scale_cache", "value_scale_cache", "out_scale", "layer")
 
 
 class Call(NamedTuple):
     """A frontend call, static: the validated arguments of the whole (unsharded) arrays, which
     arrays it passes (by name, in order) and which it returns, and every other argument."""
 
-    op: str          # "write" | "dequantize"
+    op: str          # its name in the op table
     impl: str        # "triton" | "jnp"
-    args: object     # WriteArgs | DequantArgs of the whole arrays
+    args: object     # the validated call of the whole arrays
     names: tuple     # the array arguments passed, in order
     absent: tuple    # the optional arrays not passed (None for the impl)
     outputs: tuple   # the results, by name, in order
     options: tuple   # (name, value): layout, fp8_format, ..., host scales and layer
     cache_rank: int  # of one layer's K or V cache: 3 or 4
+
+    @property
+    def paged(self):
+        """The part of :attr:`args` that describes the caches."""
+        return OPS[self.op].paged_args(self.args)
 
 
 def needed(arrays) -> bool:
@@ -62,12 +65,13 @@ def needed(arrays) -> bool:
 def run(op: str, impl, given: dict, args, outputs: tuple, options: dict) -> dict:
     """``impl``'s ``op`` on ``given`` (by argument name; None where absent), through the
     partitioning rule where the arrays may be sharded; the results by name."""
-    fn = impl.write_kv if op == "write" else impl.dequantize_pages
+    fn = getattr(impl, OPS[op].family)
     if not needed(given.values()):
         return fn(given, args=args)
     names = tuple(n for n, a in given.items() if isinstance(a, jax.Array))
-    cache = given["kv_cache"] if args.combined else given["key_cache"]
-    rank = cache.ndim - args.combined - (args.layers is not None)
+    paged = OPS[op].paged_args(args)
+    cache = given["kv_cache"] if paged.combined else given["key_cache"]
+    rank = cache.ndim - paged.combined - (paged.layers is not None)
     call = Call(op, "triton" if impl is _triton else "jnp", args, names,
                 tuple(n for n, a in given.items() if a is None), outputs,
                 tuple(sorted(options.items())), rank)
@@ -79,25 +83,17 @@ def run(op: str, impl, given: dict, args, outputs: tuple, options: dict) -> dict
     return dict(zip(outputs, results))
 
 
-def _local(call: Call, arrays: dict) -> dict:
+def _local(call: Call, arrays: dict) -> tuple:
     """The impl's outputs for ``arrays`` (one device's shards, or the whole arrays), validated
     and planned for their shapes."""
-    opts = dict(call.options)
-    scales = {n: arrays.get(n, opts.get(n)) for n in SCALES
-              if call.op == "dequantize" or n != "out_scale"}   # out_scale: dequantize's
-    given = {**dict.fromkeys(call.absent), **arrays}
-    plain = {n: a for n, a in arrays.items() if n not in SCALES}
-    infos = frontend_args(_args.info, jax.Array, plain, scales)
-    if call.op == "write":
-        args = check_write(**infos, layout=opts["layout"], fp8_format=opts["fp8_format"],
-                           scale_rounding=opts["scale_rounding"],
-                           cache_format=opts.get("cache_format"))
-        out = _IMPLS[call.impl].write_kv(given, args=args)
-    else:
-        args = check_dequantize(**infos, dtype=call.args.out_dtype, layout=opts["layout"],
-                                fp8_format=opts["fp8_format"], null_page=opts["null_page"],
-                                head_dim=opts["head_dim"], cache_format=opts.get("cache_format"))
-        out = _IMPLS[call.impl].dequantize_pages(given, args=args)
+    entry = OPS[call.op]
+    options = dict(call.options)
+    optional = {n: arrays.get(n, options.pop(n, None)) for n in entry.optional(JAX)}
+    infos = frontend_args(_args.info, jax.Array, {n: arrays[n] for n in entry.required(JAX)},
+                          optional)
+    args = entry.check(**infos, **options)
+    out = getattr(_IMPLS[call.impl], entry.family)({**dict.fromkeys(call.absent), **arrays},
+                                                  args=args)
     return tuple(out[n] for n in call.outputs)
 
 
@@ -109,9 +105,9 @@ def _partitioned(call: Call, *arrays):
 # ---------------------------------------------------------------------------------------------
 # Dimension roles of every array of a call.
 
-def _cache_roles(call: Call, stacked: bool, combined: bool, scale_side=None) -> tuple:
+def _cache_roles(call: Call, stacked: bool, scale_side=None) -> tuple:
     """The roles of a cache's dimensions (``scale_side``: of that side's scale array instead)."""
-    args = call.args
+    args = call.paged
     if call.cache_rank == 3:
         page = ("p", "h", "c")
     elif args.layout == "NHD":
@@ -120,33 +116,29 @@ def _cache_roles(call: Call, stacked: bool, combined: bool, scale_side=None) -> 
         page = ("p", "h", "s", "c")
     if scale_side is not None:
         kind = getattr(args, f"{scale_side}_scale").dynamic
-        page = page[:-1] if kind is ScaleKind.TOKEN_HEAD else tuple(
-            r for r in page[:-1] if r != "h")
-    elif combined:
+        if kind is not ScaleKind.BLOCK:   # block scales (nvfp4) have the cache's dimensions
+            page = page[:-1] if kind is ScaleKind.TOKEN_HEAD else tuple(
+                r for r in page[:-1] if r != "h")
+    elif args.combined:
         page = page[:1] + ("k",) + page[1:]
     return (("l",) if stacked else ()) + page
 
 
 def roles(call: Call, name: str, ndim: int) -> tuple:
     """The roles of the dimensions of argument (or result) ``name`` of rank ``ndim``."""
-    args = call.args
-    stacked, combined = args.layers is not None, args.combined
-    if name in ("key", "value"):
-        return ("t", "h", "d")
-    if name == "slots":
-        return ("t",)
-    if name in ("key_cache", "value_cache", "kv_cache"):
-        return _cache_roles(call, stacked, combined)
-    if name.endswith("_scale_cache"):
-        return _cache_roles(call, stacked, False, name.split("_")[0])
-    if name in ("key_scale", "value_scale"):
-        return ("h",) if ndim == 1 and args.key_cache.num_heads > 1 else ("o",) * ndim
-    if name in ("block_table", "table_out"):
-        return ("b", "q")
-    if name in ("key_out", "value_out", "kv_out"):
-        cache = _cache_roles(call, False, name == "kv_out")
-        return ("n",) + tuple(("d" if r == "c" else r) for r in cache[1:])
-    return ("o",) * ndim   # layer
+    arg = OPS[call.op].arg(name)
+    stacked = arg.layered and call.paged.layers is not None
+    if arg.dims == "cache":
+        return _cache_roles(call, stacked)
+    if arg.dims == "side":
+        return _cache_roles(call, stacked, name.removesuffix("_scale_cache"))
+    if arg.dims == "scale":
+        return ("h",) if ndim == 1 and call.paged.key_cache.num_heads > 1 else ("o",) * ndim
+    if arg.dims == "pages":
+        return ("n",) + tuple(("d" if r == "c" else r) for r in _cache_roles(call, False)[1:])
+    if arg.dims == "any":
+        return ("o",) * ndim
+    return tuple(arg.dims.split())
 
 
 def _spec_of(sharding, ndim: int) -> tuple:
@@ -156,25 +148,26 @@ def _spec_of(sharding, ndim: int) -> tuple:
 
 def _split(call: Call, mesh, arg_shapes) -> dict:
     """``{role: mesh axes}`` of the cache's sharding; raises for a role the call cannot split."""
-    name = "kv_cache" if call.args.combined else "key_cache"
+    name = "kv_cache" if call.paged.combined else "key_cache"
     shape = arg_shapes[call.names.index(name)]
     cache_roles = roles(call, name, len(shape.shape))
+    entry = OPS[call.op]
     split = {}
     for role, axes in zip(cache_roles, _spec_of(shape.sharding, len(shape.shape))):
         if axes is None:
             continue
-        if role not in SPLITS[call.op]:
-            allowed = ", ".join(ROLE_NAMES[r] for r in SPLITS[call.op])
+        if role not in entry.splits:
+            allowed = ", ".join(DIMS[r] for r in entry.splits)
             raise ValueError(
-                f"{name}: sharded over its {ROLE_NAMES[role]} dimension (mesh axes {axes}); "
-                f"{call.op} partitions a cache over {allowed} only: call it under jax.shard_map "
-                f"for this sharding")
+                f"{name}: sharded over its {DIMS[role]} dimension (mesh axes {axes}); "
+                f"{entry.family} partitions a cache over {allowed} only: call it under "
+                f"jax.shard_map for this sharding")
         split[role] = axes
     if "h" in split:
-        for side in ("key", "value"):
-            if getattr(call.args, f"{side}_scale").dynamic is ScaleKind.TOKEN:
+        for side in (a.name for a in entry.args if a.role is Role.SIDE):
+            if getattr(call.paged, side.removesuffix("_cache")).dynamic is ScaleKind.TOKEN:
                 raise ValueError(
-                    f"{side}_scale_cache: per-token dynamic scales need every kv head of a token, "
+                    f"{side}: per-token dynamic scales need every kv head of a token, "
                     f"but {name} is sharded over kv heads (mesh axes {split['h']}): call it "
                     f"under jax.shard_map with whole tokens per device, or use per-token-head "
                     f"scales")
@@ -182,7 +175,7 @@ def _split(call: Call, mesh, arg_shapes) -> dict:
 
 
 def _sharding(call: Call, mesh, name: str, ndim: int, split: dict) -> NamedSharding:
-    return NamedSharding(mesh, P(*(split.get(r) if r in ("h", "p", "l") else None
+    return NamedSharding(mesh, P(*(split.get(FOLLOWS.get(r, r))
                                    for r in roles(call, name, ndim))))
 
 
@@ -193,15 +186,15 @@ def _partition(call: Call, mesh, arg_shapes, result_shape):
     results = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
     result_shardings = tuple(_sharding(call, mesh, n, len(s.shape), split)
                              for n, s in zip(call.outputs, results))
-    stacked = call.args.layers is not None
-    cache_name = "kv_cache" if call.args.combined else "key_cache"
+    stacked = call.paged.layers is not None
+    cache_name = "kv_cache" if call.paged.combined else "key_cache"
     cache_roles = roles(call, cache_name, 0)
 
     def lower(*arrays):
         local = dict(zip(call.names, arrays))
         cache = local[cache_name]
         if "p" in split:   # this device's pages: global slots shifted into its range
-            per_page = 1 if call.cache_rank == 3 else call.args.key_cache.page_size
+            per_page = 1 if call.cache_rank == 3 else call.paged.key_cache.page_size
             first = jax.lax.axis_index(split["p"]) * cache.shape[cache_roles.index("p")]
             local["slots"] = local["slots"] - (first * per_page).astype(local["slots"].dtype)
         if "l" in split and stacked:   # this device's layers
@@ -221,17 +214,24 @@ def _infer(call: Call, mesh, arg_shapes, result_shape):
 
 
 def _rule(call: Call, mesh, operand_types, result_types):
-    """The Shardy rule: one factor per role; only heads, pages and layers may be split."""
-    def spec(name, ndim):
-        return " ".join(roles(call, name, ndim))
+    """The Shardy rule: one factor per role; only the op's cache splits may be split. A role
+    that follows another (a query's heads, FOLLOWS) is the compound ``(h H)``: the kv head,
+    then the query head within it (never split), so that a split of ``h`` reaches it."""
+    arrays = [(n, t.shape) for n, t in zip(call.names, operand_types)] + [
+        (n, t.shape) for n, t in zip(call.outputs, result_types)]
+    dims = [roles(call, n, len(shape)) for n, shape in arrays]
+    sizes = {r: d for rs, (_, shape) in zip(dims, arrays) for r, d in zip(rs, shape)}
+    sizes.update((r, sizes[r] // sizes[h]) for r, h in FOLLOWS.items() if r in sizes)
 
-    ranks_in = [len(t.shape) for t in operand_types]
-    ranks_out = [len(t.shape) for t in result_types]
-    text = (", ".join(spec(n, r) for n, r in zip(call.names, ranks_in)) + " -> "
-            + ", ".join(spec(n, r) for n, r in zip(call.outputs, ranks_out)))
-    used = dict.fromkeys(text.replace(",", " ").replace("->", " ").split())   # in factor order
-    keep = tuple(r for r in used if r not in SPLITS[call.op])
-    return text, dict(need_replication_factors=keep)
+    def spec(rs):
+        return " ".join(f"({FOLLOWS[r]} {r})" if r in FOLLOWS else r for r in rs)
+
+    specs = [spec(rs) for rs in dims]
+    text = ", ".join(specs[:len(call.names)]) + " -> " + ", ".join(specs[len(call.names):])
+    used = dict.fromkeys(text.translate(str.maketrans(",()", "   ")).replace("->", " ").split())
+    splits = OPS[call.op].splits
+    return text, dict(need_replication_factors=tuple(r for r in used if r not in splits),
+                      **{r: sizes[r] for r in used if r in FOLLOWS})
 
 
 _partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer,

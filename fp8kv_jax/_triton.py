@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8kv.arrays import ArrayInfo
+from fp8kv.attention import attention_operands, merge_operands, plan_attention
 from fp8kv.binding import bind
 from fp8kv.operands import OperandMap, dequantize_operands, rope_write_operands, write_operands
+from fp8kv.optable import OPS
 from fp8kv.plan import CUDA, plan_dequantize, plan_write
 from fp8kv.plan_rope import plan_rope_write
 from fp8kv.validate import dequantized_shape
@@ -122,14 +124,10 @@ def _dequantize_pages(arrays: dict, *, args, xla: bool) -> dict:
 
     if xla:
         args, arrays = _xla_triton.device_scalars(args, arrays)
-    shape = dequantized_shape(args, args.combined)
-    out = ArrayInfo.contiguous(shape, args.out_dtype, DEVICE)
+    out = ArrayInfo.contiguous(dequantized_shape(args, args.combined), args.out_dtype, DEVICE)
     plan = plan_dequantize(args, out, None if args.combined else out, CUDA)
-    pages = jax.ShapeDtypeStruct(shape, jnp.dtype(args.out_dtype))
-    table = jax.ShapeDtypeStruct((args.batch, args.pages_per_seq), jnp.int32)
-    new = {"key_out": pages, "value_out": pages, "kv_out": pages, "table_out": table}
-    return _launch(getattr(ops, plan.kernel), plan, dequantize_operands(args), arrays, new,
-                   xla=xla)
+    return _launch(getattr(ops, plan.kernel), plan, dequantize_operands(args), arrays,
+                   _new("dequantize_pages", args), xla=xla)
 
 
 @functools.partial(jax.jit, static_argnames=("args",))
@@ -138,7 +136,37 @@ def rope_write_kv(arrays: dict, *, args) -> dict:
     place when donated), a missing one and ``key_out`` are new outputs."""
     from fp8kv import ops  # imports Triton: only on this path
 
-    new = {"query_out": jax.ShapeDtypeStruct(args.query.shape, jnp.dtype(args.query_out.dtype)),
-           "key_out": jax.ShapeDtypeStruct(args.write.key.shape, jnp.dtype(args.write.key.dtype))}
     return _launch(ops._rope_write_kv_kernel, plan_rope_write(args, CUDA),
-                   rope_write_operands(args), arrays, new)
+                   rope_write_operands(args), arrays, _new("rope_write_kv", args))
+
+
+def _new(op: str, args) -> dict:
+    """The outputs a call of ``op`` makes (the op table's), as ShapeDtypeStructs by name."""
+    return {name: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+            for name, (shape, dtype) in OPS[op].made(args).items()}
+
+
+def paged_attention(arrays: dict, *, args) -> dict:
+    """As :func:`fp8kv_jax._jnp.paged_attention`: the attention kernel and, where the plan splits
+    the tokens, the merge of its fp32 partials (docs/SPEC.md section 16)."""
+    return _paged_attention(arrays, args=args, xla=_xla_triton.enabled())
+
+
+@functools.partial(jax.jit, static_argnames=("args", "xla"))
+def _paged_attention(given: dict, *, args, xla: bool) -> dict:
+    from fp8kv import ops  # imports Triton: only on this path
+
+    given = dict(given)
+    if xla:
+        args, given = _xla_triton.device_scalars(args, given)
+    plan = plan_attention(args, CUDA)   # two kernels where the tokens are split
+    out = jax.ShapeDtypeStruct(args.out_shape, jnp.dtype(args.out_dtype))
+    new = {"out": out,
+           "partial_out": jax.ShapeDtypeStruct(plan.partial_out, jnp.float32),
+           "partial_stats": jax.ShapeDtypeStruct(plan.partial_stats, jnp.float32)}
+    written = _launch(ops._paged_attention_kernel, plan.attention,
+                              attention_operands(args, plan), given, new, xla=xla)
+    if plan.merge is not None:
+        written = _launch(ops._attention_merge_kernel, plan.merge, merge_operands(args),
+                          {**given, **written}, new, xla=xla)
+    return {"out": written["out"]}

@@ -18,14 +18,12 @@ except ImportError as e:   # torch is the extra "torch" of fp8kv, not a dependen
     raise ModuleNotFoundError(f"fp8kv_torch needs PyTorch, which cannot be imported ({e}): "
                               'pip install "fp8kv[torch]"', name="torch") from e
 
+from fp8kv.optable import OPS
 from fp8kv.spelling import check_flag
 
-from . import _attention, _launch
+from . import _launch, _ops
 from ._fast import FastPathWarning
 from ._spelling import output_dtype
-from ._ops import (dequantize_pages_combined_op, dequantize_pages_op, rope_write_kv_combined_op,
-                   rope_write_kv_op, split_layer, split_scale, split_scales,
-                   write_kv_combined_op, write_kv_op)
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
            "rope_write_kv", "rope_write_kv_combined", "paged_attention",
@@ -37,26 +35,17 @@ ScaleCache = Union[Tensor, str, None]
 Layer = Union[int, Tensor, None]
 
 
-def _write(key, value, caches, slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache, value_scale_cache, scale_rounding, check_bounds, cache_format,
-           layer=None):
-    """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op."""
-    check_flag(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
-    combined = len(caches) == 1
+def _call(op: str, named: dict, prepare=None):
+    """One call of a public function (``named``: its arguments by name): eagerly through the
+    launcher, under torch.compile as the op's custom op. ``prepare(op, named)`` readies
+    op-specific arguments, after the flags are checked."""
+    # Before any cache: 1 or "yes" fails every time.
+    check_flag(named["check_bounds"], "check_bounds")
+    if prepare is not None:
+        prepare(op, named)
     if torch.compiler.is_compiling():
-        if check_bounds:
-            _launch.host_values(slots, "slots")   # raises: no host reads in a compiled graph
-        scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
-                                            value_scale_cache)
-        op = write_kv_combined_op if combined else write_kv_op
-        op(key, value, *caches, slots, *scales, layout, fp8_format, *scale_caches, scale_rounding,
-           cache_format, *split_layer(layer))
-    else:
-        launcher = _launch.write_kv_combined if combined else _launch.write_kv
-        launcher(key, value, *caches, slots, key_scale, value_scale, layout, fp8_format,
-                 key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache,
-                 scale_rounding=scale_rounding, check_bounds=check_bounds,
-                 cache_format=cache_format, layer=layer)
+        return _ops.call(op, named)
+    return _launch.run(op, named)
 
 
 def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor,
@@ -158,9 +147,7 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     >>> blocks[1, 1, 0].float().tolist(), [hex(b) for b in codes[1, 1, 0, :3].tolist()]
     ([1.0], ['0xff', '0xee', '0xcd'])
     """
-    _write(key, value, (key_cache, value_cache), slots, key_scale, value_scale, layout,
-           fp8_format, key_scale_cache, value_scale_cache, scale_rounding, check_bounds,
-           cache_format, layer)
+    _call("write_kv", locals())
 
 
 def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor,
@@ -192,47 +179,25 @@ def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tenso
     >>> kv[1, :, 2, 0].tolist()
     [[56, 56, 56, 56], [184, 184, 184, 184]]
     """
-    _write(key, value, (kv_cache,), slots, key_scale, value_scale, layout, fp8_format,
-           key_scale_cache, value_scale_cache, scale_rounding, check_bounds, cache_format, layer)
+    _call("write_kv_combined", locals())
 
 
-def _dequantize(caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
-                null_page, out, key_scale_cache, value_scale_cache, head_dim, check_bounds,
-                cache_format, out_scale, layer=None):
-    """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op; returns
-    the outputs, one per page array, then the new block table."""
-    check_flag(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
-    combined = len(caches) == 1
-    dtype = output_dtype(dtype)
-    outs = None
-    if out is not None:
-        outs = tuple(out)
-        if len(outs) != len(caches) + 1:
-            names = ("(kv_pages, new_block_table)" if combined
-                     else "(key_pages, value_pages, new_block_table)")
-            raise ValueError(f"out: expected {names}, got {len(outs)} tensors")
-        if isinstance(outs[0], torch.Tensor) and outs[0].dtype != dtype:
-            raise TypeError(f"out[0]: expected dtype {dtype} (the dtype argument), got {outs[0].dtype}")
-    launcher = _launch.dequantize_pages_combined if combined else _launch.dequantize_pages
-    if torch.compiler.is_compiling():
-        if check_bounds:
-            _launch.host_values(block_table, "block_table")   # raises: no host reads when compiled
-        if outs is None:
-            outs = launcher(*caches, block_table, key_scale, value_scale, dtype, layout,
-                            fp8_format, null_page, launch=False, key_scale_cache=key_scale_cache,
-                            value_scale_cache=value_scale_cache, head_dim=head_dim,
-                            cache_format=cache_format, out_scale=out_scale, layer=layer)
-        scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
-                                            value_scale_cache)
-        op = dequantize_pages_combined_op if combined else dequantize_pages_op
-        op(*caches, block_table, *scales, layout, fp8_format, null_page, *outs, *scale_caches,
-           head_dim, cache_format, *split_scale(out_scale), *split_layer(layer))
-        return outs
-    return launcher(*caches, block_table, key_scale, value_scale, dtype, layout, fp8_format,
-                    null_page, outs, key_scale_cache=key_scale_cache,
-                    value_scale_cache=value_scale_cache, head_dim=head_dim,
-                    check_bounds=check_bounds, cache_format=cache_format, out_scale=out_scale,
-                    layer=layer)
+# What out= holds, by the names of the results: (key_pages, value_pages, new_block_table).
+_OUT_RESULTS = {name: tuple(op.arg(p).result for a in op.args for p in a.parts)
+                for name, op in OPS.items()}
+
+
+def _dequantize_out(op: str, named: dict) -> None:
+    """``dtype`` as a torch dtype, ``out`` as a tuple of one tensor per output."""
+    named["dtype"] = dtype = output_dtype(named["dtype"])
+    if named["out"] is None:
+        return
+    outs = named["out"] = tuple(named["out"])
+    if len(outs) != len(_OUT_RESULTS[op]):
+        raise ValueError(f"out: expected ({', '.join(_OUT_RESULTS[op])}), got {len(outs)} "
+                         "tensors")
+    if isinstance(outs[0], torch.Tensor) and outs[0].dtype != dtype:
+        raise TypeError(f"out[0]: expected dtype {dtype} (the dtype argument), got {outs[0].dtype}")
 
 
 def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
@@ -328,9 +293,7 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
     >>> k[0, 0, 0, :2].float().tolist()
     [-4.0, -2.0]
     """
-    return _dequantize((key_cache, value_cache), block_table, key_scale, value_scale, dtype,
-                       layout, fp8_format, null_page, out, key_scale_cache, value_scale_cache,
-                       head_dim, check_bounds, cache_format, out_scale, layer)
+    return _call("dequantize_pages", locals(), _dequantize_out)
 
 
 def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: Scale = None,
@@ -373,49 +336,16 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
     >>> pages.shape, pages[0, 1, 0, 0].tolist()
     (torch.Size([1, 2, 1, 1, 2]), [-1.0, -1.0])
     """
-    return _dequantize((kv_cache,), block_table, key_scale, value_scale, dtype, layout,
-                       fp8_format, null_page, out, key_scale_cache, value_scale_cache, head_dim,
-                       check_bounds, cache_format, out_scale, layer)
-
-
-def _rope_write(query, key, value, caches, slots, positions, cos_sin_cache, key_scale,
-                value_scale, rope_style, rotary_dim, query_scale, query_out, key_out, layout,
-                fp8_format, key_scale_cache, value_scale_cache, scale_rounding, check_bounds):
-    """``caches``: ``(key_cache, value_cache)``, or ``(kv_cache,)`` for the combined op."""
-    check_flag(check_bounds, "check_bounds")   # before any cache: 1 or "yes" fails every time
-    combined = len(caches) == 1
-    launcher = _launch.rope_write_kv_combined if combined else _launch.rope_write_kv
-    options = dict(rope_style=rope_style, rotary_dim=rotary_dim, layout=layout,
-                   fp8_format=fp8_format, key_scale_cache=key_scale_cache,
-                   value_scale_cache=value_scale_cache, scale_rounding=scale_rounding)
-    if not torch.compiler.is_compiling():
-        return launcher(query, key, value, *caches, slots, positions, cos_sin_cache, key_scale,
-                        value_scale, query_scale, query_out, key_out, check_bounds=check_bounds,
-                        **options)
-    if check_bounds:
-        _launch.host_values(positions, "positions")   # raises: no host reads when compiled
-    if query_out is None:   # made here, outside the op (which mutates it), as dequantize's out
-        query_out = launcher(query, key, value, *caches, slots, positions, cos_sin_cache,
-                             key_scale, value_scale, query_scale, None, key_out, launch=False,
-                             **options)
-    scales, scale_caches = split_scales(key_scale, value_scale, key_scale_cache,
-                                        value_scale_cache)
-    ks, vs, ksv, vsv = scales
-    qs, qsv = (query_scale, None) if isinstance(query_scale, Tensor) else (None, query_scale)
-    op = rope_write_kv_combined_op if combined else rope_write_kv_op
-    op(query, key, value, *caches, slots, positions, cos_sin_cache, ks, vs, qs, ksv, vsv, qsv,
-       rope_style, rotary_dim, layout, fp8_format, query_out, key_out, *scale_caches,
-       scale_rounding)
-    return query_out
+    return _call("dequantize_pages_combined", locals(), _dequantize_out)
 
 
 def rope_write_kv(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor,
                   value_cache: Tensor, slots: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                   key_scale: Scale = None, value_scale: Scale = None, *,
-                  rope_style: str = "neox", rotary_dim: int | None = None,
-                  query_scale: Scale = None, query_out: Tensor | None = None,
-                  key_out: Tensor | None = None, layout: str = "NHD",
-                  fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
+                  query_scale: Scale = None, rope_style: str = "neox",
+                  rotary_dim: int | None = None, layout: str = "NHD",
+                  fp8_format: str | None = None, query_out: Tensor | None = None,
+                  key_out: Tensor | None = None, key_scale_cache: ScaleCache = None,
                   value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
                   check_bounds: bool = False) -> Tensor:
     """Apply RoPE to ``query`` and ``key``, then quantize K and V to FP8 and write them into a
@@ -495,19 +425,16 @@ def rope_write_kv(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor,
     >>> q_rot.tolist(), k_cache[1, 1, 0].float().tolist(), v_cache[1, 1, 0].float().tolist()
     ([[[-2.0, 1.0]]], [-8.0, 6.0], [8.0, -8.0])
     """
-    return _rope_write(query, key, value, (key_cache, value_cache), slots, positions,
-                       cos_sin_cache, key_scale, value_scale, rope_style, rotary_dim,
-                       query_scale, query_out, key_out, layout, fp8_format, key_scale_cache,
-                       value_scale_cache, scale_rounding, check_bounds)
+    return _call("rope_write_kv", locals())
 
 
 def rope_write_kv_combined(query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
                            slots: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                            key_scale: Scale = None, value_scale: Scale = None, *,
-                           rope_style: str = "neox", rotary_dim: int | None = None,
-                           query_scale: Scale = None, query_out: Tensor | None = None,
-                           key_out: Tensor | None = None, layout: str = "NHD",
-                           fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
+                           query_scale: Scale = None, rope_style: str = "neox",
+                           rotary_dim: int | None = None, layout: str = "NHD",
+                           fp8_format: str | None = None, query_out: Tensor | None = None,
+                           key_out: Tensor | None = None, key_scale_cache: ScaleCache = None,
                            value_scale_cache: ScaleCache = None, scale_rounding: str = "exact",
                            check_bounds: bool = False) -> Tensor:
     """:func:`rope_write_kv` into one combined cache (vLLM / FlashInfer style).
@@ -532,10 +459,8 @@ def rope_write_kv_combined(query: Tensor, key: Tensor, value: Tensor, kv_cache: 
     >>> q.tolist(), kv[1, :, 2, 0].tolist()                     # cos 0, sin 1: (-x2, x1)
     ([[[-2.0, 1.0]]], [[192, 56], [56, 64]])
     """
-    return _rope_write(query, key, value, (kv_cache,), slots, positions, cos_sin_cache,
-                       key_scale, value_scale, rope_style, rotary_dim, query_scale, query_out,
-                       key_out, layout, fp8_format, key_scale_cache, value_scale_cache,
-                       scale_rounding, check_bounds)
+    return _call("rope_write_kv_combined", locals())
+
 
 
 def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
@@ -632,14 +557,7 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     >>> out[0, :, 0].tolist()                                          # the mean of 1..5
     [3.0, 3.0]
     """
-    return _attention.call(query, (key_cache, value_cache), block_table, seq_lens, key_scale,
-                           value_scale, query_start_loc=query_start_loc,
-                           softmax_scale=softmax_scale, sliding_window=sliding_window,
-                           logits_soft_cap=logits_soft_cap, sinks=sinks,
-                           key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache,
-                           cache_format=cache_format, layout=layout, head_dim=head_dim,
-                           layer=layer, max_query_len=max_query_len, check_bounds=check_bounds,
-                           out=out)
+    return _call("paged_attention", locals())
 
 
 def paged_attention_combined(query: Tensor, kv_cache: Tensor, block_table: Tensor,
@@ -685,10 +603,4 @@ def paged_attention_combined(query: Tensor, kv_cache: Tensor, block_table: Tenso
     >>> out[0, 0, :2].tolist()
     [2.0, 2.0]
     """
-    return _attention.call(query, (kv_cache,), block_table, seq_lens, key_scale, value_scale,
-                           query_start_loc=query_start_loc, softmax_scale=softmax_scale,
-                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                           sinks=sinks, key_scale_cache=key_scale_cache,
-                           value_scale_cache=value_scale_cache, cache_format=cache_format,
-                           layout=layout, head_dim=head_dim, layer=layer,
-                           max_query_len=max_query_len, check_bounds=check_bounds, out=out)
+    return _call("paged_attention_combined", locals())

@@ -77,7 +77,7 @@ def _tensor_guard():
     return make, check
 
 
-def _getter(indices):
+def getter(indices):
     """``args -> tuple of args[i]`` for these indices (itemgetter's result is always a tuple)."""
     if not indices:
         return lambda args: ()
@@ -130,11 +130,11 @@ class LastCall:
         last = cls()
         last.options, last.types = options, tuple(map(type, args))
         last.new_outputs = ready.new_outputs
-        last.others_of = _getter([i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)])
+        last.others_of = getter([i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)])
         last.others = last.others_of(args)
-        last.tensors_of = _getter([i for i, _ in distinct])
-        last.alias_of = _getter([i for i, _ in aliases]) if aliases else None
-        last.source_of = _getter([j for _, j in aliases])
+        last.tensors_of = getter([i for i, _ in distinct])
+        last.alias_of = getter([i for i, _ in aliases]) if aliases else None
+        last.source_of = getter([j for _, j in aliases])
         make, last.check = guard
         last.guard = make([args[i] for i, _ in distinct])
         last.device = tensors[0].get_device() if tensors[0].is_cuda else None

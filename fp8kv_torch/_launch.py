@@ -1,8 +1,10 @@
 """torch tensors -> core validation -> core plan and operand map -> launch. No decisions here.
 
-Each op takes its arguments in one fixed order (:data:`ARGUMENTS`, the public names); the core's
-operand map (:mod:`fp8kv.operands`) says which of them each kernel pointer takes, so this module
-never says which array is read, written or aliased.
+Each op takes its arguments by their public names, as the op table (:mod:`fp8kv.optable`)
+declares them, and launches on its arrays in one fixed order derived from it (:data:`ARGUMENTS`);
+the core's operand map (:mod:`fp8kv.operands`) says which of them each kernel pointer takes, so
+this module never says which array is read, written or aliased. One function, :func:`run`,
+serves every op.
 
 An engine repeats the same call signature every step, so each op keeps its launch ready per
 signature (:class:`_ReadyLaunch`): a steady-state call costs a key of its arguments (tensor
@@ -25,43 +27,63 @@ import torch
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import BoundCall, bind
-from fp8kv.operands import OperandMap, dequantize_operands, rope_write_operands, write_operands
+from fp8kv.operands import OperandMap
+from fp8kv.optable import OPS, TORCH, Role
 from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
 from fp8kv.plan_rope import plan_rope_write
-from fp8kv.validate import (check_dequantize, check_layer_in_range, check_out,
-                            check_slots_in_range, check_table_in_range, check_write,
-                            dequantized_shape, frontend_args)
-from fp8kv.validate_rope import check_positions_in_range, check_rope_write
+from fp8kv.validate import check_out, frontend_args
 
 from . import _fast
+from ._fast import getter
 
-# Each op's arguments, in the order its launcher takes them: the arrays it must have, then the
-# scales, then (dequantize) the outputs.
-ARGUMENTS = {
-    "write": ("key", "value", "key_cache", "value_cache", "slots", "key_scale", "value_scale",
-              "key_scale_cache", "value_scale_cache", "layer"),
-    "write_combined": ("key", "value", "kv_cache", "slots", "key_scale", "value_scale",
-                       "key_scale_cache", "value_scale_cache", "layer"),
-    "dequantize": ("key_cache", "value_cache", "block_table", "key_scale", "value_scale",
-                   "key_scale_cache", "value_scale_cache", "out_scale", "layer", "key_out",
-                   "value_out", "table_out"),
-    "dequantize_combined": ("kv_cache", "block_table", "key_scale", "value_scale",
-                            "key_scale_cache", "value_scale_cache", "out_scale", "layer",
-                            "kv_out", "table_out"),
-    # query_out last: an allocating call leaves it out and makes it per call.
-    "rope_write": ("query", "key", "value", "key_cache", "value_cache", "slots", "positions",
-                   "cos_sin_cache", "key_scale", "value_scale", "query_scale", "key_scale_cache",
-                   "value_scale_cache", "key_out", "query_out"),
-    "rope_write_combined": ("query", "key", "value", "kv_cache", "slots", "positions",
-                            "cos_sin_cache", "key_scale", "value_scale", "query_scale",
-                            "key_scale_cache", "value_scale_cache", "key_out", "query_out"),
-}
-_SCALES = ("key_scale", "value_scale", "key_scale_cache", "value_scale_cache", "out_scale")
-# Optional arguments, passed to validation as they are or (a tensor) as its ArrayInfo.
-_OPTIONAL = _SCALES + ("layer",)
-_OUTPUTS = ("key_out", "value_out", "kv_out", "table_out")
-_OUT_NAMES = {"key_out": "out[0]", "value_out": "out[1]", "kv_out": "out[0]",
-              "table_out": "out[-1]"}
+
+def _order(op) -> tuple[str, ...]:
+    """The op's arrays in launch order: its array arguments, then the outputs a call may only be
+    given, then those it makes where none is given (an allocating call leaves them out)."""
+    arrays = [a for a in op.public(TORCH) if a.array and a.role is not Role.OUTPUT]
+    given = [a for a in op.public(TORCH) if a.role is Role.OUTPUT and not a.made and not a.parts]
+    return tuple(a.name for a in arrays + given) + _made(op)
+
+
+def _made(op) -> tuple[str, ...]:
+    """The outputs a torch call makes where it is given none (``out=``'s, or its own)."""
+    return tuple(a.name for a in op.args if a.made and (TORCH in a.frontends or not a.frontends))
+
+
+class _Spec:
+    """How one op's launcher reads a call, derived once from the op table (no per-call work but
+    C-level getters): its arrays in launch order, the outputs it makes, what validation takes."""
+
+    def __init__(self, op):
+        self.names = ARGUMENTS[op.name]
+        self.made = _made(op)
+        holders = [a for a in op.public(TORCH) if a.parts]
+        self.holder = holders[0].name if holders else ""   # out=: the made outputs as one tuple
+        self.inputs = self.names[:len(self.names) - len(self.made)]
+        self.args_of = getter(self.inputs)
+        self.options = op.options(TORCH)
+        self.options_of = getter(self.options)
+        self.required, self.optional = op.required(TORCH), op.optional(TORCH)
+        last = len(self.made) - 1
+        self.labels = {n: f"{self.holder}[{-1 if i == last else i}]"
+                       for i, n in enumerate(self.made)}
+
+    def given(self, named: dict):
+        """The call's made outputs as given (a tuple), or None to make them."""
+        if self.holder:
+            out = named[self.holder]
+            return None if out is None else tuple(out)
+        if self.made:
+            out = named[self.made[0]]
+            return None if out is None else (out,)
+        return None
+
+    def result(self, outs):
+        """What the torch function returns: ``out=``'s tuple, its one output, or None."""
+        return outs if self.holder or outs is None else outs[0]
+
+
+ARGUMENTS = {name: _order(op) for name, op in OPS.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -88,13 +110,6 @@ def host_values(t: torch.Tensor, name: str):
     return t.detach().cpu().numpy()
 
 
-def check_layer_bounds(layer, layers) -> None:
-    """``check_bounds``' check of ``layer=`` (an int or a tensor, read on the host)."""
-    if layers is not None:
-        check_layer_in_range(host_values(layer, "layer") if isinstance(layer, torch.Tensor)
-                             else layer, layers.num_layers)
-
-
 def _backend(t: torch.Tensor, name: str) -> str:
     if t.device.type == "cuda":
         return CUDA
@@ -106,7 +121,7 @@ def _backend(t: torch.Tensor, name: str) -> str:
 def typed(values: tuple) -> tuple:
     """``values`` with each one's type: ``True``, ``1`` and ``1.0`` hash and compare alike, and a
     call with one of them must not find the launch a call with another made."""
-    return tuple((type(v), v) for v in values)
+    return tuple(zip(map(type, values), values))
 
 
 def operand_positions(names: tuple, operands: OperandMap) -> tuple[int, ...]:
@@ -265,51 +280,101 @@ def _cached_launch(op: str, args: tuple, options: tuple):
     return True, outs
 
 
-def _split(op: str, args: tuple) -> tuple[dict, dict]:
-    """The call's arrays and scales by name, as :func:`fp8kv.validate.frontend_args` takes
-    them (outputs apart)."""
-    named = dict(zip(ARGUMENTS[op], args))
-    arrays = {n: a for n, a in named.items() if n not in _OPTIONAL and n not in _OUTPUTS}
-    return arrays, {n: named[n] for n in _OPTIONAL if n in named}
+SPECS = {name: _Spec(op) for name, op in OPS.items()}
 
 
-def _write(op: str, args: tuple, layout, fp8_format, scale_rounding, exact, launch,
-           check_bounds, cache_format=None) -> None:
+def _host(value, name: str):
+    """An argument's values on the host, for ``check_bounds`` (a number as it is)."""
+    return host_values(value, name) if isinstance(value, torch.Tensor) else value
+
+
+def run(op: str, named: dict):
+    """Validate, plan and launch one call of ``op``; returns what its torch function returns.
+
+    ``named``: the call's arguments by name -- a public function's, those of a launcher below
+    (``exact`` forces the exact (True) or hardware (False) conversions; ``launch=False`` only
+    validates and makes the outputs: the fake implementation of the custom op)."""
+    if OPS[op].workspace:   # several kernels and their scratch arrays: a launcher of its own
+        from . import _attention
+        return _attention.run(op, named)
+    spec = SPECS[op]
+    launch, exact = named.get("launch", True), named.get("exact")
+    check_bounds = named["check_bounds"]
+    # (torch.compile traces a launch=False call, and cannot trace an itemgetter.)
+    args = spec.args_of(named) if launch else tuple(named[n] for n in spec.inputs)
+    outs = spec.given(named) if spec.made else None
+    allocating = outs is None and bool(spec.made)
     ready_key = None
     if launch and exact is None and not check_bounds:
-        served, ready_key = _cached_launch(op, args, typed((layout, fp8_format, scale_rounding,
-                                                            cache_format)))
+        options = spec.options_of(named)
+        served, result = _cached_launch(op, args + outs if outs else args,
+                                        typed(options + (allocating,) if spec.made else options))
         if served:
-            return
-    arrays, scales = _split(op, args)
-    valid = check_write(**frontend_args(info, torch.Tensor, arrays, scales), layout=layout,
-                        fp8_format=fp8_format, scale_rounding=scale_rounding,
-                        cache_format=cache_format)
+            return spec.result(outs or result) if spec.made else None
+        ready_key = result
+    entry = OPS[op]
+    options = {n: named[n] for n in spec.options}
+    if "dtype" in options:
+        options["dtype"] = dtype_name(options["dtype"])
+    valid = entry.check(**frontend_args(info, torch.Tensor, {n: named[n] for n in spec.required},
+                                        {n: named[n] for n in spec.optional}), **options)
     if check_bounds:
-        check_layer_bounds(scales["layer"], valid.layers)
-        check_slots_in_range(host_values(arrays["slots"], "slots"), valid.key_cache.num_slots)
-    key = arrays["key"]
-    backend = _backend(key, "key")
-    if not launch:   # the custom op's fake: validation only
-        return
+        entry.bounds(valid, lambda name: _host(named[name], name))
+    first = args[0]
+    made = entry.made(valid) if spec.made else {}
+    new_outputs = None
+    if allocating:
+        shapes = tuple((tuple(made[n][0]), getattr(torch, made[n][1])) for n in spec.made)
+        new_outputs = (_new_outputs(shapes, first.device) if launch
+                       else _NewOutputs(shapes, first.device, templates=False))
+        outs = new_outputs.make()
+    out_info = {}
+    if spec.holder:   # out=: each output as the call would make it
+        for name, out in zip(spec.made, outs):
+            label = spec.labels[name]
+            out_info[name] = info(out, label)
+            shape, dtype = made[name]
+            check_out(out_info[name], label, shape, (dtype,), str(first.device))
+            if entry.arg(name).contiguous and not out.is_contiguous():
+                raise ValueError(f"{label}: expected a contiguous {entry.arg(name).result}")
+    backend = _backend(first, spec.names[0])
+    if not launch:   # the custom op's fake: validation (and the outputs) only
+        return spec.result(outs)
+    values = args + (outs or ())
+    kernel, plan = _PLANS[entry.family](valid, out_info, backend, exact, values)
+    if not plan.empty:
+        _launch(kernel, plan, backend, first.device, entry.operands(valid), spec.names, values,
+                ready_key, new_outputs)
+    return spec.result(outs)
+
+
+def _plan_write(valid, outs, backend, exact, values):
     plan = plan_write(valid, backend, exact)
-    if plan.empty:
-        return
-    _launch(getattr(ops, plan.kernel), plan, backend, key.device, write_operands(valid),
-            ARGUMENTS[op], args, ready_key)
+    return getattr(ops, plan.kernel), plan
+
+
+def _plan_dequantize(valid, outs, backend, exact, values):
+    # The ready key holds each tensor's 16-byte alignment, so this plan serves aligned calls only.
+    aligned = not _fast.misaligned([v for v in values if isinstance(v, torch.Tensor)])
+    plan = plan_dequantize(valid, outs.get("kv_out") or outs["key_out"], outs.get("value_out"),
+                           backend, exact, aligned=aligned)
+    return getattr(ops, plan.kernel), plan
+
+
+def _plan_rope_write(valid, outs, backend, exact, values):
+    return ops._rope_write_kv_kernel, plan_rope_write(valid, backend, exact)
+
+
+# Each op family's kernel and plan: ``(validated, {output: ArrayInfo}, backend, exact, values)``.
+_PLANS = {"write_kv": _plan_write, "dequantize_pages": _plan_dequantize,
+          "rope_write_kv": _plan_rope_write}
 
 
 def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
              exact=None, launch=True, key_scale_cache=None, value_scale_cache=None,
              scale_rounding="exact", check_bounds=False, cache_format=None, layer=None):
-    """Validate, plan and launch one write.
-
-    ``exact`` forces the exact (True) or hardware (False) conversions; ``launch=False`` only
-    validates (the fake implementation of the custom op).
-    """
-    _write("write", (key, value, key_cache, value_cache, slots, key_scale, value_scale,
-                     key_scale_cache, value_scale_cache, layer),
-           layout, fp8_format, scale_rounding, exact, launch, check_bounds, cache_format)
+    """Validate, plan and launch one write (:func:`run`)."""
+    run("write_kv", locals())
 
 
 def write_kv_combined(key, value, kv_cache, slots, key_scale, value_scale, layout, fp8_format,
@@ -317,9 +382,7 @@ def write_kv_combined(key, value, kv_cache, slots, key_scale, value_scale, layou
                       scale_rounding="exact", check_bounds=False, cache_format=None,
                       layer=None):
     """:func:`write_kv` into one combined ``kv_cache``."""
-    _write("write_combined", (key, value, kv_cache, slots, key_scale, value_scale,
-                              key_scale_cache, value_scale_cache, layer),
-           layout, fp8_format, scale_rounding, exact, launch, check_bounds, cache_format)
+    run("write_kv_combined", locals())
 
 
 @functools.cache
@@ -350,170 +413,55 @@ def _layout_of(t: torch.Tensor) -> tuple:
 
 
 class _NewOutputs:
-    """An allocating dequantize's outputs for one signature: ``make()`` returns new tensors,
-    one per output argument of the op (``(key_out, value_out, table_out)`` or ``(kv_out,
-    table_out)``), each its own allocation. ``templates=False``: plain ``torch.empty`` (while
-    torch.compile traces with fake tensors, none of which may be kept)."""
+    """An allocating call's outputs for one signature: ``make()`` returns new tensors, one per
+    ``(shape, dtype)`` of ``outputs`` (the op's made outputs, in launch order), each its own
+    allocation. ``templates=False``: plain ``torch.empty`` (while torch.compile traces with fake
+    tensors, none of which may be kept)."""
 
     __slots__ = ("make",)
 
-    def __init__(self, pages_shape: tuple, dtype: torch.dtype, combined: bool,
-                 table_shape: tuple, device: torch.device, templates: bool = True):
-        pages = _empty_maker(pages_shape, dtype, device, templates)
-        table = _empty_maker(table_shape, torch.int32, device, templates)
-        self.make = (lambda: (pages(), table())) if combined else (
-            lambda: (pages(), pages(), table()))
+    def __init__(self, outputs: tuple, device: torch.device, templates: bool = True):
+        self.make = _each(tuple(_empty_maker(shape, dtype, device, templates)
+                                for shape, dtype in outputs))
+
+
+def _each(makers: tuple):
+    """``() -> (each maker's tensor, ...)``: a tuple display (the least per-call work) for the
+    one to three outputs an op makes."""
+    if len(makers) == 1:
+        (a,) = makers
+        return lambda: (a(),)
+    if len(makers) == 2:
+        a, b = makers
+        return lambda: (a(), b())
+    a, b, c = makers
+    return lambda: (a(), b(), c())
 
 
 # Per signature; bounded like _READY, whose launches keep theirs.
 _new_outputs = functools.lru_cache(maxsize=256)(_NewOutputs)
 
 
-def _dequantize(op: str, args: tuple, outs, dtype, layout, fp8_format, null_page, head_dim,
-                exact, launch, check_bounds, cache_format=None) -> tuple:
-    ready_key = None
-    allocating = outs is None
-    if launch and exact is None and not check_bounds:
-        options = typed((dtype, layout, fp8_format, null_page, head_dim, allocating,
-                         cache_format))
-        served, result = _cached_launch(op, args + (outs or ()), options)
-        if served:
-            return outs or result
-        ready_key = result
-    combined = op == "dequantize_combined"
-    arrays, scales = _split(op, args)
-    valid = check_dequantize(**frontend_args(info, torch.Tensor, arrays, scales),
-                             dtype=dtype_name(dtype), layout=layout, fp8_format=fp8_format,
-                             null_page=null_page, head_dim=head_dim, cache_format=cache_format)
-    if check_bounds:
-        check_layer_bounds(scales["layer"], valid.layers)
-        check_table_in_range(host_values(arrays["block_table"], "block_table"),
-                             valid.key_cache.num_pages, null_page)
-    first = args[0]
-    shape, table_shape = dequantized_shape(valid, combined), (valid.batch, valid.pages_per_seq)
-    new_outputs = None
-    if allocating:
-        new_outputs = (_new_outputs(shape, dtype, combined, table_shape, first.device)
-                       if launch else _NewOutputs(shape, dtype, combined, table_shape,
-                                                  first.device, templates=False))
-        outs = new_outputs.make()
-    out_names = ARGUMENTS[op][len(args):]
-    device = str(first.device)
-    out_info = {}
-    for name, out in zip(out_names, outs):
-        label = _OUT_NAMES[name]
-        out_info[name] = info(out, label)
-        if name == "table_out":
-            check_out(out_info[name], label, table_shape, ("int32",), device)
-            if not out.is_contiguous():
-                raise ValueError(f"{label}: expected a contiguous new_block_table")
-        else:
-            check_out(out_info[name], label, shape, (valid.out_dtype,), device)
-    backend = _backend(first, ARGUMENTS[op][0])
-    if not launch:   # the custom op's fake: validation only (no plan, which Dynamo would trace)
-        return outs
-    # The ready key holds each tensor's 16-byte alignment, so this plan serves aligned calls only.
-    tensors = [a for a in args if isinstance(a, torch.Tensor)] + list(outs)
-    plan = plan_dequantize(valid, out_info.get("kv_out") or out_info["key_out"],
-                           out_info.get("value_out"), backend, exact,
-                           aligned=not _fast.misaligned(tensors))
-    if plan.empty:
-        return outs
-    values = args + tuple(outs)
-    _launch(getattr(ops, plan.kernel), plan, backend, first.device, dequantize_operands(valid),
-            ARGUMENTS[op], values, ready_key, new_outputs)
-    return outs
-
-
 def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
-                     fp8_format, null_page, outs=None, exact=None, launch=True,
+                     fp8_format, null_page, out=None, exact=None, launch=True,
                      key_scale_cache=None, value_scale_cache=None, head_dim=None,
                      check_bounds=False, cache_format=None, out_scale=None,
                      layer=None) -> tuple:
     """Validate, plan and launch one dequantize; returns ``(key_out, value_out, table_out)``.
 
-    ``outs``: preallocated ``(key_out, value_out, table_out)``, or None to allocate them.
+    ``out``: preallocated ``(key_out, value_out, table_out)``, or None to allocate them.
     """
-    return _dequantize("dequantize", (key_cache, value_cache, block_table, key_scale, value_scale,
-                                      key_scale_cache, value_scale_cache, out_scale, layer),
-                       None if outs is None else tuple(outs), dtype, layout, fp8_format,
-                       null_page, head_dim, exact, launch, check_bounds, cache_format)
+    return run("dequantize_pages", locals())
 
 
 def dequantize_pages_combined(kv_cache, block_table, key_scale, value_scale, dtype, layout,
-                              fp8_format, null_page, outs=None, exact=None, launch=True,
+                              fp8_format, null_page, out=None, exact=None, launch=True,
                               key_scale_cache=None, value_scale_cache=None, head_dim=None,
                               check_bounds=False, cache_format=None, out_scale=None,
                               layer=None) -> tuple:
     """:func:`dequantize_pages` of a combined ``kv_cache``: returns ``(kv_out, table_out)``;
-    ``outs``: preallocated ``(kv_out, table_out)`` or None."""
-    return _dequantize("dequantize_combined", (kv_cache, block_table, key_scale, value_scale,
-                                               key_scale_cache, value_scale_cache, out_scale,
-                                               layer),
-                       None if outs is None else tuple(outs), dtype, layout, fp8_format,
-                       null_page, head_dim, exact, launch, check_bounds, cache_format)
-
-
-# rope_write_kv: the arguments validation takes as they are (not necessarily arrays).
-_ROPE_OPTIONAL = ("key_scale", "value_scale", "query_scale", "key_scale_cache",
-                  "value_scale_cache", "key_out", "query_out")
-
-
-class _QueryOut:
-    """An allocating rope_write_kv's ``query_out`` for one signature: ``make()`` returns a new
-    contiguous tensor in a 1-tuple (``templates=False``: plain ``torch.empty``, as
-    :class:`_NewOutputs`)."""
-
-    __slots__ = ("make",)
-
-    def __init__(self, shape: tuple, dtype: torch.dtype, device: torch.device,
-                 templates: bool = True):
-        empty = _empty_maker(shape, dtype, device, templates)
-        self.make = lambda: (empty(),)
-
-
-_query_outs = functools.lru_cache(maxsize=256)(_QueryOut)
-
-
-def _rope_write(op: str, args: tuple, query_out, rope_style, rotary_dim, layout, fp8_format,
-                scale_rounding, exact, launch, check_bounds):
-    """Validate, plan and launch one rope_write_kv; returns ``query_out`` (made when None)."""
-    allocating = query_out is None
-    values = args if allocating else args + (query_out,)
-    ready_key = None
-    if launch and exact is None and not check_bounds:
-        options = typed((rope_style, rotary_dim, layout, fp8_format, scale_rounding, allocating))
-        served, result = _cached_launch(op, values, options)
-        if served:
-            return result[0] if allocating else query_out
-        ready_key = result
-    named = dict(zip(ARGUMENTS[op], values))
-    arrays = {n: a for n, a in named.items() if n not in _ROPE_OPTIONAL}
-    others = {n: named.get(n) for n in _ROPE_OPTIONAL}
-    valid = check_rope_write(**frontend_args(info, torch.Tensor, arrays, others),
-                             rope_style=rope_style, rotary_dim=rotary_dim, layout=layout,
-                             fp8_format=fp8_format, scale_rounding=scale_rounding)
-    if check_bounds:
-        check_positions_in_range(host_values(arrays["positions"], "positions"),
-                                 valid.max_position)
-        check_slots_in_range(host_values(arrays["slots"], "slots"),
-                             valid.write.key_cache.num_slots)
-    query = arrays["query"]
-    backend = _backend(query, "query")
-    new_outputs = None
-    if allocating:
-        shape, dtype = tuple(query.shape), getattr(torch, valid.query_out.dtype)
-        new_outputs = (_query_outs(shape, dtype, query.device) if launch
-                       else _QueryOut(shape, dtype, query.device, templates=False))
-        (query_out,) = new_outputs.make()
-    if not launch:   # the custom op's fake: validation (and the output) only
-        return query_out
-    plan = plan_rope_write(valid, backend, exact)
-    if not plan.empty:
-        _launch(ops._rope_write_kv_kernel, plan, backend, query.device, rope_write_operands(valid),
-                ARGUMENTS[op], values + ((query_out,) if allocating else ()), ready_key,
-                new_outputs)
-    return query_out
+    ``out``: preallocated ``(kv_out, table_out)`` or None."""
+    return run("dequantize_pages_combined", locals())
 
 
 def rope_write_kv(query, key, value, key_cache, value_cache, slots, positions, cos_sin_cache,
@@ -521,16 +469,8 @@ def rope_write_kv(query, key, value, key_cache, value_cache, slots, positions, c
                   rope_style="neox", rotary_dim=None, layout="NHD", fp8_format=None,
                   key_scale_cache=None, value_scale_cache=None, scale_rounding="exact",
                   exact=None, launch=True, check_bounds=False):
-    """Validate, plan and launch one rope_write_kv; returns ``query_out``.
-
-    ``exact`` forces the exact (True) or hardware (False) conversions; ``launch=False`` only
-    validates and makes ``query_out`` (the fake implementation of the custom op).
-    """
-    return _rope_write("rope_write", (query, key, value, key_cache, value_cache, slots,
-                                      positions, cos_sin_cache, key_scale, value_scale,
-                                      query_scale, key_scale_cache, value_scale_cache, key_out),
-                       query_out, rope_style, rotary_dim, layout, fp8_format, scale_rounding,
-                       exact, launch, check_bounds)
+    """Validate, plan and launch one rope_write_kv; returns ``query_out`` (made when None)."""
+    return run("rope_write_kv", locals())
 
 
 def rope_write_kv_combined(query, key, value, kv_cache, slots, positions, cos_sin_cache,
@@ -539,9 +479,4 @@ def rope_write_kv_combined(query, key, value, kv_cache, slots, positions, cos_si
                            fp8_format=None, key_scale_cache=None, value_scale_cache=None,
                            scale_rounding="exact", exact=None, launch=True, check_bounds=False):
     """:func:`rope_write_kv` into one combined ``kv_cache``."""
-    return _rope_write("rope_write_combined", (query, key, value, kv_cache, slots, positions,
-                                               cos_sin_cache, key_scale, value_scale,
-                                               query_scale, key_scale_cache, value_scale_cache,
-                                               key_out),
-                       query_out, rope_style, rotary_dim, layout, fp8_format, scale_rounding,
-                       exact, launch, check_bounds)
+    return run("rope_write_kv_combined", locals())

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 import fp8kv_torch  # noqa: E402
 from fp8kv.attention import ATTENTION_SIZES, plan_attention, splits_for  # noqa: E402
+from fp8kv.optable import OPS  # noqa: E402
 from fp8kv.plan import CUDA, INTERPRET  # noqa: E402
 from fp8kv_torch import _attention  # noqa: E402
 from tests.attention_cases import AttentionCase, build  # noqa: E402
@@ -93,8 +94,9 @@ def test_gpu_exact_conversions_give_the_fast_bytes_and_calls_repeat(case):
     call, _ = call_of(case, "cuda")
     fast = attend(call)
     again = attend(call)
-    exact = _attention.paged_attention(exact=True, **{
-        ("kv_cache" if k == "kv_cache" else k): v for k, v in call.items()})
+    op = "paged_attention_combined" if "kv_cache" in call else "paged_attention"
+    exact = _attention.run(op, {**{a.name: None for a in OPS[op].args}, **call,
+                                "check_bounds": False, "exact": True})
     assert torch.equal(fast.view(torch.int16), again.view(torch.int16))
     assert torch.equal(fast.view(torch.int16), exact.view(torch.int16))
 

@@ -1,11 +1,12 @@
 """The ready-launch cache of fp8kv_torch: a new signature is always validated and planned afresh.
 
-Every call is counted at the core's validation (``check_write`` / ``check_dequantize``, as
-imported by the launcher); the cache may skip it only for a repeat of a signature that passed.
+Every call is counted at the core's validation (each op's ``check`` in the op table, which the
+launcher calls); the cache may skip it only for a repeat of a signature that passed.
 The bytes written through cached launches are checked against the reference.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import ml_dtypes
@@ -16,6 +17,7 @@ pytest.importorskip("torch")
 
 from tests.helpers import bits, torch
 from fp8kv import reference as ref
+from fp8kv.optable import OPS
 from fp8kv_torch import (_fast, _launch, dequantize_pages, dequantize_pages_combined, write_kv,
                          write_kv_combined)
 
@@ -33,9 +35,10 @@ def validations(monkeypatch):
             return check(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(_launch, "check_write", counting("write", _launch.check_write))
-    monkeypatch.setattr(_launch, "check_dequantize",
-                        counting("dequantize", _launch.check_dequantize))
+    for name, op in OPS.items():
+        if op.family in ("write_kv", "dequantize_pages"):
+            monkeypatch.setitem(OPS, name, dataclasses.replace(
+                op, check=counting(op.family.split("_")[0], op.check)))
     _launch.clear_launch_caches()
     yield counts
     _launch.clear_launch_caches()
@@ -170,7 +173,7 @@ def test_a_repeated_signature_is_served_by_the_last_call_check(device, validatio
     scale = torch.tensor(0.5, device=device)
     for _ in range(2):
         write_kv(k, v, kc, vc, slots, scale, scale)
-    assert "write" in _launch._LAST       # the second call of a signature makes it
+    assert "write_kv" in _launch._LAST       # the second call of a signature makes it
     _launch._READY.clear()                # no key lookup can serve the next calls
     for seed in range(2):                 # new tensors of the same signature
         k, v, kc, vc, slots = _write_inputs(device, seed=seed)
@@ -234,7 +237,8 @@ def test_the_last_call_launches_each_calls_own_tensors(device, validations, op, 
     _launch.clear_launch_caches()
     call(seed=0)
     call(seed=0)
-    assert (f"{op}_combined" if form == "combined" else op) in _launch._LAST
+    name = {"write": "write_kv", "dequantize": "dequantize_pages"}[op]
+    assert (f"{name}_combined" if form == "combined" else name) in _launch._LAST
     _launch._READY.clear()          # only the LastCall can serve without validating
     before = validations[op]
     for seed in (1, 2):
@@ -259,7 +263,7 @@ def test_allocating_calls_return_new_tensors_of_their_own(device, validations, b
     before, kept = validations["dequantize"], []
     for i in range(4):   # validated; by the key (which makes the LastCall); the LastCall twice
         outs = dequantize_pages(cache, cache.flip(0), table, 0.5, 0.25, dtype=torch.bfloat16)
-        assert ("dequantize" in _launch._LAST) == (i >= 1)
+        assert ("dequantize_pages" in _launch._LAST) == (i >= 1)
         for got, w, like in zip(outs, want, ((batch * pages_per_seq, 4, 2, 16),) * 2 + (
                 (batch, pages_per_seq),), strict=True):
             plain = torch.empty(like, dtype=got.dtype, device=device)
@@ -292,7 +296,7 @@ def test_a_shared_scale_then_two_scales(device, validations):
         _launch.clear_launch_caches()
         for _ in range(2):
             _write_call(device, 0, first)
-        assert "write" in _launch._LAST
+        assert "write_kv" in _launch._LAST
         got = [bits(t) for t in _write_call(device, 1, then)]
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, w)
@@ -303,7 +307,7 @@ def test_alternating_signatures_make_no_last_call(device, validations):
     for _ in range(3):
         write_kv(*a)
         write_kv(*b)
-    assert "write" not in _launch._LAST and validations["write"] == 2
+    assert "write_kv" not in _launch._LAST and validations["write"] == 2
 
 
 def test_the_launcher_check_knows_triton_3_6():

@@ -3,6 +3,7 @@ rotary dims, head dims, GQA/MQA, scale kinds, query outputs, padding and out-of-
 fused QKV views, in place, combined caches, errors, torch.compile and CUDA graphs."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import ml_dtypes
@@ -17,6 +18,7 @@ from tests.rope_cases import (ROPE_CASES, RopeCase, cos_sin_cache, expected, opt
                               rope_inputs, with_)
 from fp8kv import reference as ref  # noqa: E402
 from fp8kv.modes import Division  # noqa: E402
+from fp8kv.optable import OPS  # noqa: E402
 from fp8kv.plan import CUDA  # noqa: E402
 from fp8kv.plan_rope import plan_rope_write  # noqa: E402
 from fp8kv.validate_rope import check_rope_write  # noqa: E402
@@ -341,7 +343,8 @@ def test_repeated_calls_validate_once(device, monkeypatch):
         calls.append(1)
         return check_rope_write(*args, **kwargs)
 
-    monkeypatch.setattr(_launch, "check_rope_write", counting)
+    monkeypatch.setitem(OPS, "rope_write_kv", dataclasses.replace(OPS["rope_write_kv"],
+                                                                  check=counting))
     _launch.clear_launch_caches()
     case = RopeCase(tokens=5, q_heads=4, kv_heads=2, head_dim=64, scale="tensor")
     for seed in range(4):
