@@ -76,8 +76,9 @@ def table_attention(device, cfg: Config, timer: Timer, copy_gbps: float) -> Tabl
     mode = "graph" if timer.cuda else "eager"
     table = Table("attention", "Paged decode attention",
                   f"{HEADS} query heads, {KV_HEADS} kv heads, head_dim {HEAD_DIM}, page {PAGE}, "
-                  "bf16 query, one query token per sequence (`q4`: 4, causal), batch x context; "
-                  "bytes = K + V pages read (with their scales); `dequantize route` = "
+                  "bf16 query, one query token per sequence (`e4m3 q4`: 4, causal), batch x "
+                  "context; provider = the cache's format; bytes = K + V pages read (with their "
+                  "scales); `dequantize route` = "
                   "dequantize_pages of the context to bf16 + fp8kv attention over it. Time: "
                   + ("one CUDA-graph replay." if timer.cuda else "eager calls on the CPU."),
                   plot="bars")
@@ -87,18 +88,17 @@ def table_attention(device, cfg: Config, timer: Timer, copy_gbps: float) -> Tabl
             kw, nbytes = make_cache(batch, context, fmt, device)
             out = torch.empty_like(kw["query"])
             us = timer.time(mode, [lambda: _attend(kw, out)])
-            table.add(f"{fmt} {size}", batch * context, "fp8kv", mode, us, nbytes)
+            table.add(size, batch * context, fmt, mode, us, nbytes)
             if fmt == "e4m3":
-                table.add_roofline(f"{fmt} {size}", batch * context, nbytes, copy_gbps)
+                table.add_roofline(size, batch * context, nbytes, copy_gbps)
                 route = _dequantize_route(kw, device)
                 us = timer.time(mode, [route])
-                table.add(f"dequantize route {size}", batch * context, "fp8kv", mode, us,
-                          nbytes)
+                table.add(size, batch * context, "dequantize route", mode, us, nbytes)
                 if (batch, context) in ((64, 2048), CPU_SHAPES[-1]):
                     q4 = _four_queries(kw)
                     out4 = torch.empty_like(q4["query"])
                     us = timer.time(mode, [lambda: _attend(q4, out4)])
-                    table.add(f"e4m3 q4 {size}", batch * context, "fp8kv", mode, us, nbytes)
+                    table.add(size, batch * context, "e4m3 q4", mode, us, nbytes)
             del kw, out
             free_memory()
     if timer.cuda:
@@ -157,7 +157,7 @@ def table_attention_jax(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: boo
             return fp8kv_jax.paged_attention(q, a["key_cache"], a["value_cache"],
                                              a["block_table"], a["seq_lens"], a["key_scale"],
                                              a["value_scale"])
-        table.add(f"e4m3 {size}", batch * context, "fp8kv-jax", "jit loop",
+        table.add(size, batch * context, "fp8kv-jax e4m3", "jit loop",
                   _loop_us(jax, ours, arrays["query"], n), nbytes)
         if cuda:
             for fmt in ("e4m3", "bf16"):
@@ -167,7 +167,7 @@ def table_attention_jax(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: boo
                     break
                 us = _loop_us(jax, pallas, arrays["query"], n)
                 scale_bytes = 2 * batch * context * KV_HEADS * 4
-                table.add(f"{fmt} {size}", batch * context, "pallas", "jit loop", us,
+                table.add(size, batch * context, f"pallas {fmt}", "jit loop", us,
                           2 * nbytes if fmt == "bf16" else nbytes + scale_bytes)
         del arrays
     table.note("Pallas e4m3 bytes include its fp32 scale pages (4 bytes per token and head, "
