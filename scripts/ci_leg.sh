@@ -116,7 +116,8 @@ case "$LEG" in
             LEG_ARGS+=(--deselect fp8kv_jax -m "not jnp")
         fi
         if [ "$LEG" = torch214 ]; then   # its torch-facing tests only (see above)
-            for _ci_f in jax_glue stacked_jax rope_jax nvfp4_jax xla_triton sharded_jit; do
+            for _ci_f in jax_glue stacked_jax rope_jax nvfp4_jax xla_triton sharded_jit \
+                         attention_jax; do
                 _ci_leave_out "tests/test_$_ci_f.py"
             done
         fi ;;
@@ -125,7 +126,7 @@ case "$LEG" in
         # as such); the torch test modules skip themselves, and are the files this leg need not
         # run.
         LEG_ARGS+=(--doctest-ignore-import-errors)
-        for _ci_f in bench_imports compile_warnings dequantize dynamic_scales fast_path \
+        for _ci_f in attention bench_imports compile_warnings dequantize dynamic_scales fast_path \
                      launch_cache nvfp4 parity rope_write stacked_torch tensor_parallel \
                      torch_integration write; do
             LEG_MUST_RUN+=(--must-run "!tests/test_$_ci_f.py")

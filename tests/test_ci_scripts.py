@@ -205,7 +205,8 @@ def test_torch214_leaves_out_the_test_files_of_fp8kv_jax_alone(tmp_path):
     args = (venvs / ".venv-torch214" / "pytest-args").read_text().splitlines()
     left_out = [a for d, a in zip(args, args[1:]) if d == "--deselect"]
     assert left_out == ["tests/test_jax.py", "fp8kv_jax"] + [f"tests/test_{n}.py" for n in (
-        "jax_glue", "stacked_jax", "rope_jax", "nvfp4_jax", "xla_triton", "sharded_jit")], args
+        "jax_glue", "stacked_jax", "rope_jax", "nvfp4_jax", "xla_triton", "sharded_jit",
+        "attention_jax")], args
     assert all((ROOT / f).is_file() for f in left_out if f.endswith(".py")), left_out
     assert ["-m", "not jnp"] in [args[i:i + 2] for i in range(len(args))], args
 
@@ -254,10 +255,10 @@ def test_each_leg_declares_the_files_it_must_run(tmp_path):
         deselected[leg] = {a for d, a in zip(args, args[1:]) if d == "--deselect"}
         left_out = set(every) - set(files)
         if leg == "jax":
-            assert left_out == _torch_test_files() and len(left_out) == 13, left_out
+            assert left_out == _torch_test_files() and len(left_out) == 14, left_out
         else:
             assert left_out == deselected[leg] - {"fp8kv_jax"}, (leg, left_out)
-    assert deselected["oldest"] == set() and len(deselected["torch214"]) == 8
+    assert deselected["oldest"] == set() and len(deselected["torch214"]) == 9
     got = _ci_run(tmp_path, "oldest", venvs, "-k", "rope")
     args = (venvs / ".venv-oldest" / "pytest-args").read_text().splitlines()
     assert _must_run(args) == [] and args[-2:] == ["-k", "rope"], args

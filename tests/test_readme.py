@@ -21,10 +21,12 @@ PARAMS = [pytest.param(i, marks=jnp_where_jax_runs_on_the_cpu()
           for i, code in enumerate(SNIPPETS)]
 TEST_COMMAND = "python -m pytest tests fp8kv_torch fp8kv_jax --doctest-modules -q -n auto"
 FUNCTIONS = ("write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
-             "rope_write_kv", "rope_write_kv_combined")
+             "rope_write_kv", "rope_write_kv_combined", "paged_attention",
+             "paged_attention_combined")
 # Where the frontends' signatures differ, as the README says under each function.
 TORCH_ONLY = {"dequantize_pages": {"out"}, "dequantize_pages_combined": {"out"},
-              "rope_write_kv": {"key_out"}, "rope_write_kv_combined": {"key_out"}}
+              "rope_write_kv": {"key_out"}, "rope_write_kv_combined": {"key_out"},
+              "paged_attention": {"out"}, "paged_attention_combined": {"out"}}
 JAX_ONLY = {"rope_write_kv": {"return_key"}, "rope_write_kv_combined": {"return_key"}}
 
 

@@ -165,6 +165,10 @@ def test_check_bounds_must_be_a_bool(frontend, bad, kind):
                                                    cos_sin, check_bounds=bad),
         "rope_write_kv_combined": lambda: mod.rope_write_kv_combined(
             key, key, key, combined, slots, positions, cos_sin, check_bounds=bad),
+        "paged_attention": lambda: mod.paged_attention(key, cache, cache, table, slots,
+                                                       check_bounds=bad),
+        "paged_attention_combined": lambda: mod.paged_attention_combined(
+            key, combined, table, slots, check_bounds=bad),
     }
     assert set(calls) == {name for name in mod.__all__ if not isinstance(getattr(mod, name), type)}
     for name, call in calls.items():
