@@ -64,8 +64,8 @@ def _sweep_write(device, cfg: Config, timer: Timer, backend: str, mode: str, tok
         with planned_with(plan.WRITE_SIZES, backend, tile=tile, max_block_hd=tile,
                           num_warps=warps, small_batch_warps=warps):
             launched = _write_plan(case, backend)
-            c = launched.constexprs
-            label = (f"tile {tile}, {warps}w -> {c['BLOCK_T']}x{c['BLOCK_HD']}, "
+            c = launched.constexprs["TILE"]
+            label = (f"tile {tile}, {warps}w -> {c.BLOCK_T}x{c.BLOCK_HD}, "
                      f"{launched.num_warps}w" + (" (default)" if (tile, warps) == default else ""))
             table.add(label, tokens, "fp8kv", mode, timer.time(mode, fns, sweep=True), case.nbytes)
     return table

@@ -89,9 +89,10 @@ def pages_shape(cache: PagedCache, layout: str, rank: int, num_entries: int,
 
 
 def block_scales_shape(cache: PagedCache, layout: str, rank: int, fmt) -> tuple[int, ...]:
-    """The shape of a block-scale array (nvfp4) of a ``rank`` 3/4 cache of codes: the cache's,
-    with ``head_dim / block_size`` scales per head row (``cache.head_dim`` is in bytes)."""
-    blocks = cache.head_dim * fmt.codes_per_byte // fmt.block_size
+    """The shape of a block-scale array of a ``rank`` 3/4 cache of codes of a block-scaled
+    format: the cache's, with ``head_dim / fmt.blocks.size`` scales per head row
+    (``cache.head_dim`` is in bytes)."""
+    blocks = cache.head_dim * fmt.codes_per_byte // fmt.blocks.size
     return pages_shape(replace(cache, head_dim=blocks), layout, rank, cache.num_pages)
 
 

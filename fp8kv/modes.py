@@ -21,7 +21,7 @@ class ScaleKind(enum.Enum):
     HEAD = 3         # a device fp32 vector, one scale per kv head
     TOKEN = 4        # dynamic: one scale per written token (over all its kv heads)
     TOKEN_HEAD = 5   # dynamic: one scale per written token and kv head
-    BLOCK = 6        # dynamic: one e4m3 scale per block of a head row (nvfp4), beside a static one
+    BLOCK = 6        # dynamic: one scale per block of a head row (the format's block scales)
 
     @property
     def id(self) -> int:
@@ -31,12 +31,6 @@ class ScaleKind(enum.Enum):
     def dynamic(self) -> bool:
         """Computed by ``write_kv`` from the new tokens and stored per slot."""
         return self in (ScaleKind.TOKEN, ScaleKind.TOKEN_HEAD, ScaleKind.BLOCK)
-
-    @property
-    def per_block(self) -> bool:
-        """One stored scale per block of a head row; the side's static scale still applies
-        (the global scale of an nvfp4 cache)."""
-        return self is ScaleKind.BLOCK
 
     @property
     def on_device(self) -> bool:

@@ -152,8 +152,8 @@ def dequantize_nvfp4_operands(args) -> OperandMap:
 
 def write_operands(args) -> OperandMap:
     """``_write_kv_kernel``'s arrays for a validated :class:`fp8kv.validate.WriteArgs`
-    (``_write_nvfp4_kernel``'s for an nvfp4 cache)."""
-    if args.fmt.block_size:
+    (``_write_nvfp4_kernel``'s for a packed format)."""
+    if args.fmt.packed:
         return write_nvfp4_operands(args)
     kc, vc = _caches(args.combined)
     inputs = (Operand("key_ptr", "key"), Operand("value_ptr", "value"),
@@ -176,8 +176,8 @@ def write_operands(args) -> OperandMap:
 def dequantize_operands(args) -> OperandMap:
     """``_dequantize_pages_kernel``'s arrays for a validated
     :class:`fp8kv.validate.DequantArgs` (a combined cache gives a combined output;
-    ``_dequantize_nvfp4_kernel``'s for an nvfp4 cache)."""
-    if args.fmt.block_size:
+    ``_dequantize_nvfp4_kernel``'s for a packed format)."""
+    if args.fmt.packed:
         return dequantize_nvfp4_operands(args)
     kc, vc = _caches(args.combined)
     inputs = (Operand("key_cache_ptr", kc), Operand("value_cache_ptr", vc),

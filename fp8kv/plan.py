@@ -1,8 +1,9 @@
 """Launch plans: grid, warps, and every scalar and constexpr by name, from shapes alone.
 
 Both frontends launch exactly what a plan says (bound by name, :mod:`fp8kv.binding`); nothing here
-imports torch or jax. Plans are cached on the (hashable) validated arguments, so a steady-state
-call costs one dict lookup.
+imports torch or jax. The constexprs are a few records (:mod:`fp8kv.constexprs`): the caches, the
+call's rows or outputs, the tile, and ``EXACT``. Plans are cached on the (hashable) validated
+arguments, so a steady-state call costs one dict lookup.
 """
 from __future__ import annotations
 
@@ -12,30 +13,29 @@ from dataclasses import dataclass, field
 import triton
 
 from .arrays import ArrayInfo
-from .formats import FP8_OUTPUT_DTYPE
-from .layout import combined_halves, paged
-from .modes import OUT_KIND_OF_DTYPE, Division, LayerKind, ScaleKind, SideScale
+from .constexprs import (Cache, NvFp4WriteTile, Output, ReadTile, Rows, Side, Strides,
+                         WriteRows, WriteTile)
+from .formats import FORMAT_OF_DTYPE, FP8_OUTPUT_DTYPE
+from .layout import Layers, combined_halves, paged
+from .modes import OUT_KIND_OF_DTYPE, Division, LayerKind, ScaleKind
 from .validate import DequantArgs, WriteArgs
 
 INTERPRET, CUDA = "interpret", "cuda"
 
-# Elements per program (per K or V) and warps, per backend. The interpreter runs one program at a
-# time at ~2 ms each, so it gets big tiles. On the H200 (bench/NOTES.md) 1024-element tiles win at
-# every size; large batches want 2 warps (one 16-byte load of K and one of V per thread, many
-# programs per SM), small ones more (more memory requests in flight, shorter dependency chains
-# per thread): batches of up to `small_batch_elems` row elements use `small_batch_warps`, and
-# static-scale ones of up to `decode_batch_elems` `decode_batch_warps` (graph replay, 8 x 128
-# rows: 1,024 tokens 4.23 us with 8 warps vs 4.84 with 16; 256 tokens 2.78 with 16 vs 2.84 with
-# 8 warps and FMA).
+# Elements per program (per K or V) and warps, per backend (bench/NOTES.md has the measurements
+# behind each entry). The interpreter runs one program at a time at ~2 ms each, so it gets big
+# tiles. Large batches take `num_warps` (one 16-byte load of K and one of V per thread, many
+# programs per SM), smaller ones more warps (more memory requests in flight, shorter dependency
+# chains per thread): batches of up to `small_batch_elems` row elements use
+# `small_batch_warps`, and static-scale ones of up to `decode_batch_elems`
+# `decode_batch_warps`.
 # reciprocal_div (a fp8kv.modes.Division): how small batches divide by a per-tensor scale --
 # DIV_RN: div.rn per element; FMA: one fp32 reciprocal and two FMA corrections per element
 # (codec.divide_by_scalar); FP64: one fp64 reciprocal and an fp64 product per element
-# (codec.divide_fp64); all exact. With 16 / 8 warps div.rn measured fastest (1,024 tokens: 4.23
-# vs 4.44 us with FMA); large batches keep div.rn too (97.8 vs 100.0 us).
+# (codec.divide_fp64); all exact. Large batches divide with div.rn.
 # loads_first_elems: per-token-head writes load both sides' tiles before the first amax when a
-# tile has at most this many elements (H200, 65,536 tokens, 8 x 128: 107.4 vs 109.6 us); larger
-# tiles (8 x 256: 234 vs 211 us, register pressure) and per-token scales (8 x 128: 112 vs 107 us)
-# run one side after the other. The interpreter takes both orders (per-token-head / per-token).
+# tile has at most this many elements; larger tiles (register pressure) and per-token scales run
+# one side after the other. The interpreter takes both orders (per-token-head / per-token).
 # split_*: batches of up to split_batch_tokens tokens with static scales split each row into
 # chunks of split_chunk columns, one program per (token, chunk) (grid axis 1), with split_warps
 # warps and split_division (a fp8kv.modes.Division): a decode step's few tokens then use
@@ -59,22 +59,16 @@ DEQUANT_SIZES = {
 }
 # NVFP4 (docs/SPEC.md section 13; kernels write_nvfp4 / dequantize_nvfp4). write: elements of
 # whole rows per program and side (tile) and warps. A thread holds one group of 32 consecutive
-# elements per side (two blocks; 16 bytes of codes to store), so tile = 1,024 x warps maps one
-# group to each thread: 2,048 over 2 warps for large batches, 1,024 over 1 warp (one 8 x 128
-# token) for batches of up to small_batch_elems row elements. loads_first: both sides' loads
-# before the first amax. dequantize: output elements per program and warps. SASS of the default
-# write: ~24 instructions per element on the reciprocal path; first guesses, to be measured
-# (bench/nvfp4.py has the variants). small_blockwise: small batches load [T, H, D/16, 16] blocks
-# over two threads each (a quarter of a group's chain per thread; the amax a two-thread
-# reduction) instead of whole groups per thread. lookup: an FP8 output by a per-block table
-# (ops/dequantize_nvfp4.py _lookup_side), where the arrays allow its 4-byte words, with
-# lookup_block output elements per program (16 x 512 pages on the H200: 156 / 207 us per element
-# at out_scale 2**-2 / 0.37 -> 110-111 with 4,096 elements, 107-108 with 8,192; bench/NOTES.md).
+# elements per side (two blocks; 16 bytes of codes to store), so a tile of 1,024 elements over
+# 1 warp maps one group to each thread (one 8 x 128 token). Batches of up to small_batch_elems
+# row elements take small_tile and small_batch_warps and, with small_blockwise, load
+# [T, H, D/16, 16] blocks over two threads each (a quarter of a group's chain per thread; the
+# amax a two-thread reduction) instead of whole groups per thread. loads_first: both sides' loads
+# before the first amax. dequantize: output elements per program (block) and warps; lookup: an
+# FP8 output by a per-block table (ops/dequantize_nvfp4.py _lookup_side), where the arrays allow
+# its 4-byte words, with lookup_block output elements per program. bench/nvfp4.py times the
+# variants.
 NVFP4_WRITE_SIZES = {
-    # Measured on the H200 (bench/nvfp4.py variants): 1,024-element tiles with one warp beat
-    # 2,048 with two at 65,536 tokens (129 vs 136 us); four warps beat one at 1-256 tokens, and
-    # the blockwise layout beats whole groups there (1 / 256 tokens: 2.68 / 3.49 vs 2.87 /
-    # 3.72 us).
     CUDA: dict(tile=1024, num_warps=1, small_tile=1024, small_batch_warps=4,
                small_batch_elems=1 << 18, loads_first=True, small_blockwise=True),
     INTERPRET: dict(tile=1 << 16, num_warps=1, small_tile=1 << 16, small_batch_warps=1,
@@ -116,53 +110,57 @@ class LaunchPlan:
         return any(g == 0 for g in self.grid)
 
 
-def _strides(prefix: str, pages) -> dict:
-    """``STRIDE_<prefix>_{PAGE,SLOT,HEAD}`` of a paged array (a cache, an output, a side scale
-    array); all 0 without one (never read)."""
-    page, slot, head = (0, 0, 0) if pages is None else (pages.stride_page, pages.stride_slot,
-                                                         pages.stride_head)
-    return {f"STRIDE_{prefix}_PAGE": page, f"STRIDE_{prefix}_SLOT": slot,
-            f"STRIDE_{prefix}_HEAD": head}
+def strides(pages, layer: int = 0) -> Strides:
+    """The :class:`~fp8kv.constexprs.Strides` of a paged array (a cache, a side scale array,
+    dequantized pages; :class:`fp8kv.layout.PagedCache` or :class:`fp8kv.layout.ScaleCache`)
+    and its layer stride; all 0 without one (never read)."""
+    if pages is None:
+        return Strides()
+    return Strides(pages.stride_page, pages.stride_slot, pages.stride_head,
+                   getattr(pages, "offset", 0), layer)
 
 
-def _side(prefix: str, scale: SideScale) -> dict:
-    """A side's scale constexprs: its static kind and its dynamic kind, as ids."""
-    return {f"{prefix}_SCALE": scale.kind.id, f"{prefix}_DYNAMIC": scale.dynamic.id}
-
-
-def _shared(args: WriteArgs | DequantArgs, backend: str, exact: bool | None) -> tuple[dict, dict]:
-    """``(scalars, constexprs)`` that both kernels take alike: the caches, scales and format.
-
-    The interpreter must take the exact conversions (its own fp8/bf16 casts are wrong)."""
+def cache_record(args: WriteArgs | DequantArgs, scale_pow2: bool = False) -> Cache:
+    """The caches of a validated call as the kernels take them (:class:`fp8kv.constexprs.Cache`):
+    geometry, format, each side's strides and scaling, the stack."""
     kc, vc = args.key_cache, args.value_cache
     ks, vs = args.key_scale, args.value_scale
-    scalars = dict(key_scale_value=float(ks.value), value_scale_value=float(vs.value))
-    constexprs = dict(
-        NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim, PAGE_SIZE=kc.page_size,
-        **_strides("KC", kc), **_strides("VC", vc), VALUE_CACHE_OFFSET=vc.offset,
-        **_strides("KSC", ks.stored), **_strides("VSC", vs.stored),
-        FORMAT=args.fmt.id, **_side("K", ks), **_side("V", vs), INLINE_PAD=args.inline_pad,
-        EXACT=backend == INTERPRET if exact is None else exact)
-    return scalars, constexprs
-
-
-def layer_params(args) -> tuple[dict, dict]:
-    """``(scalars, constexprs)`` of stacked caches (``args.layers``; docs/SPEC.md section 14):
-    the host layer (a runtime scalar, so that one compiled kernel serves every layer; 0 where a
-    device array names it or there is no layer axis), how the kernel finds it
-    (``LAYER_KIND``), the stack's depth and each stacked array's layer stride. Any kernel with
-    cache pointers takes them alike (:func:`fp8kv.ops.layers.select_layer`)."""
     layers = args.layers
-    if layers is None:
-        kind, layers_ = LayerKind.NONE, None
-    else:
-        kind, layers_ = (LayerKind.TENSOR if layers.on_device else LayerKind.VALUE), layers
-    return ({"layer": 0 if layers_ is None or layers_.on_device else layers_.index},
-            {"LAYER_KIND": kind.id, "NUM_LAYERS": 0 if layers_ is None else layers_.num_layers,
-             "STRIDE_KC_LAYER": 0 if layers_ is None else layers_.stride_key_cache,
-             "STRIDE_VC_LAYER": 0 if layers_ is None else layers_.stride_value_cache,
-             "STRIDE_KSC_LAYER": 0 if layers_ is None else layers_.stride_key_scale_cache,
-             "STRIDE_VSC_LAYER": 0 if layers_ is None else layers_.stride_value_scale_cache})
+    lk = Layers(0, 0, 0) if layers is None else layers
+    kind = (LayerKind.NONE if layers is None else
+            LayerKind.TENSOR if layers.on_device else LayerKind.VALUE)
+    return Cache(
+        NUM_HEADS=kc.num_heads, HEAD_DIM=kc.head_dim * args.fmt.codes_per_byte,
+        PAGE_SIZE=kc.page_size, FMT=args.fmt.codec,
+        KEY=Side(strides(kc, lk.stride_key_cache), strides(ks.stored, lk.stride_key_scale_cache),
+                 ks.kind.id, ks.dynamic.id),
+        VALUE=Side(strides(vc, lk.stride_value_cache),
+                   strides(vs.stored, lk.stride_value_scale_cache), vs.kind.id, vs.dynamic.id),
+        INLINE_PAD=args.inline_pad, SCALE_POW2=scale_pow2, COMBINED=args.combined,
+        LAYER_KIND=kind.id, NUM_LAYERS=lk.num_layers)
+
+
+def _scalars(args: WriteArgs | DequantArgs) -> dict:
+    """The runtime scalars every K/V kernel takes: both sides' host scale values and (kernels
+    that take stacked caches) the host layer -- a runtime scalar, so that one compiled kernel
+    serves every layer; 0 where a device array names it or there is no layer axis."""
+    layers = args.layers
+    scalars = dict(key_scale_value=float(args.key_scale.value),
+                   value_scale_value=float(args.value_scale.value))
+    if not args.fmt.packed:
+        scalars["layer"] = 0 if layers is None or layers.on_device else layers.index
+    return scalars
+
+
+def _exact(backend: str, exact: bool | None) -> bool:
+    """The interpreter must take the exact conversions (its own fp8/bf16 casts are wrong)."""
+    return backend == INTERPRET if exact is None else exact
+
+
+def _rows(x: ArrayInfo, head_dim: int) -> Rows:
+    """Token rows ``[T, H, D]`` as the kernels take them; packed where a token's heads are
+    contiguous."""
+    return Rows(x.strides[0], x.strides[1], x.strides[1] == head_dim or x.shape[1] == 1)
 
 
 INT32_REACH = 2**31 - 1  # the largest element offset that int32 address arithmetic may form
@@ -189,9 +187,9 @@ def offsets_64(args: WriteArgs, tokens: int, block_h: int, block_d: int, block_h
 
 @functools.lru_cache(maxsize=4096)
 def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> LaunchPlan:
-    """Plan ``_write_kv_kernel`` (``_write_nvfp4_kernel`` for an nvfp4 cache); ``exact`` forces
+    """Plan ``_write_kv_kernel`` (``_write_nvfp4_kernel`` for a packed format); ``exact`` forces
     (True) or forbids (False) the exact path."""
-    if args.fmt.block_size:
+    if args.fmt.packed:
         return _plan_write_nvfp4(args, backend, exact)
     sizes = WRITE_SIZES[backend]
     kc, vc = args.key_cache, args.value_cache
@@ -211,42 +209,40 @@ def plan_write(args: WriteArgs, backend: str, exact: bool | None = None) -> Laun
     block_t = 1 if split else max(1, sizes["tile"] // (block_h * block_d if dynamic else block_hd))
     if backend == INTERPRET:  # no compile cost here: fit the tile to the batch
         block_t = min(block_t, triton.next_power_of_2(max(args.num_tokens, 1)))
-    key, value = args.key, args.value
-    scalars, constexprs = _shared(args, backend, exact)
-    layer_scalars, layer_constexprs = layer_params(args)   # stacked caches
-    scalars.update(layer_scalars)
-    constexprs.update(layer_constexprs)
-    scalars.update(num_tokens=args.num_tokens, num_slots=kc.num_slots)
-    constexprs.update(
-        STRIDE_KEY_TOKEN=key.strides[0], STRIDE_KEY_HEAD=key.strides[1],
-        STRIDE_VALUE_TOKEN=value.strides[0], STRIDE_VALUE_HEAD=value.strides[1],
+    grid = (triton.cdiv(args.num_tokens, block_t), row_programs)
+    scalars = dict(num_tokens=args.num_tokens, num_slots=kc.num_slots, **_scalars(args))
+    tile = WriteTile(
         BLOCK_T=block_t, BLOCK_HD=block_hd, ROW_CHUNK=row_chunk, BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        SCALE_POW2=args.scale_pow2,
-        KEY_PACKED=key.strides[1] == kc.head_dim or kc.num_heads == 1,
-        VALUE_PACKED=value.strides[1] == kc.head_dim or kc.num_heads == 1,
-        CACHE_PACKED=kc.packed_rows and vc.packed_rows,
-        RECIPROCAL_DIV=int(sizes["split_division" if split else "reciprocal_div"] if small
-                           else Division.DIV_RN),
+        BLOCK_D=block_d, CACHE_PACKED=kc.packed_rows and vc.packed_rows,
         DYNAMIC_LOADS_FIRST=(args.key_scale.dynamic is args.value_scale.dynamic
                              is ScaleKind.TOKEN_HEAD
                              and block_t * block_h * block_d <= sizes["loads_first_elems"]),
-        # One buffer holds both caches: V goes through the K output (one output per buffer).
-        SHARED_OUT=args.combined)
-    grid = (triton.cdiv(args.num_tokens, block_t), row_programs)
-    # Masked lanes of the last chunk reach column row_programs * row_chunk.
-    constexprs["OFFSETS_64"] = offsets_64(args, grid[0] * block_t, block_h, block_d,
-                                          max(block_hd, row_programs * row_chunk))
+        RECIPROCAL_DIV=int(sizes["split_division" if split else "reciprocal_div"] if small
+                           else Division.DIV_RN),
+        # Masked lanes of the last chunk reach column row_programs * row_chunk.
+        OFFSETS_64=offsets_64(args, grid[0] * block_t, block_h, block_d,
+                              max(block_hd, row_programs * row_chunk)))
+    constexprs = dict(CACHE=cache_record(args, args.scale_pow2),
+                      ROWS=WriteRows(_rows(args.key, kc.head_dim), _rows(args.value, kc.head_dim)),
+                      TILE=tile, EXACT=_exact(backend, exact))
     decode = not dynamic and elems <= sizes["decode_batch_elems"]
     num_warps = (sizes["split_warps"] if split else sizes["decode_batch_warps"] if decode else
                  sizes["small_batch_warps"] if small else sizes["num_warps"])
     return LaunchPlan(grid, num_warps, scalars, constexprs)
 
 
+def _table_scalars(args: DequantArgs) -> dict:
+    """The block table as runtime scalars (its pages and strides, the null page)."""
+    table = args.block_table
+    return dict(pages_per_seq=max(args.pages_per_seq, 1), stride_table_seq=table.strides[0],
+                stride_table_page=table.strides[1], num_pages=args.key_cache.num_pages,
+                null_page=-1 if args.null_page is None else args.null_page)
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo | None,
                     backend: str, exact: bool | None = None, aligned: bool = True) -> LaunchPlan:
-    """Plan ``_dequantize_pages_kernel`` (``_dequantize_nvfp4_kernel`` for an nvfp4 cache). A
+    """Plan ``_dequantize_pages_kernel`` (``_dequantize_nvfp4_kernel`` for a packed format). A
     combined call (``args.combined``) has one ``[N, 2, ...]`` output, ``key_out`` (``value_out``
     None). ``aligned``: every array starts at a multiple of 16 bytes (XLA's buffers do; torch
     says per call), which an nvfp4 cache's FP8 lookup needs for its words."""
@@ -254,7 +250,7 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
         ko, vo = combined_halves(key_out, args.layout)
     else:
         ko, vo = paged(key_out, args.layout), paged(value_out, args.layout)
-    if args.fmt.block_size:
+    if args.fmt.packed:
         return _plan_dequantize_nvfp4(args, ko, vo, backend, exact, aligned)
     sizes = DEQUANT_SIZES[backend]
     kc, vc = args.key_cache, args.value_cache
@@ -268,39 +264,34 @@ def plan_dequantize(args: DequantArgs, key_out: ArrayInfo, value_out: ArrayInfo 
         chunks = triton.cdiv(kc.page_size * kc.num_heads, block // block_d)
     else:
         chunks = triton.cdiv(page_elems, block)
-    table = args.block_table
-    scalars, constexprs = _shared(args, backend, exact)
-    layer_scalars, layer_constexprs = layer_params(args)   # stacked caches
-    scalars.update(layer_scalars)
-    constexprs.update(layer_constexprs)
-    scalars.update(
-        pages_per_seq=max(args.pages_per_seq, 1), stride_table_seq=table.strides[0],
-        stride_table_page=table.strides[1], num_pages=kc.num_pages,
-        null_page=-1 if args.null_page is None else args.null_page)
-    constexprs.update(
-        **_strides("KO", ko), **_strides("VO", vo), VALUE_OUT_OFFSET=vo.offset,
-        HND=args.layout == "HND" and args.cache_rank == 4, BLOCK=block, BLOCK_D=block_d,
-        ROWWISE=rowwise, OUT_KIND=int(OUT_KIND_OF_DTYPE[args.out_dtype]),
-        HAS_NULL_PAGE=args.null_page is not None,
-        IN_PACKED=kc.packed_pages(args.layout) and vc.packed_pages(args.layout),
-        OUT_PACKED=ko.packed_pages(args.layout) and vo.packed_pages(args.layout),
-        SHARED_OUT=args.combined)
+    scalars = dict(**_table_scalars(args), **_scalars(args))
+    constexprs = dict(
+        CACHE=cache_record(args),
+        OUT=Output(strides(ko), strides(vo), int(OUT_KIND_OF_DTYPE[args.out_dtype]),
+                   PACKED=ko.packed_pages(args.layout) and vo.packed_pages(args.layout)),
+        TILE=ReadTile(BLOCK=block, BLOCK_D=block_d, ROWWISE=rowwise,
+                      HND=args.layout == "HND" and args.cache_rank == 4,
+                      HAS_NULL_PAGE=args.null_page is not None,
+                      IN_PACKED=kc.packed_pages(args.layout) and vc.packed_pages(args.layout)),
+        EXACT=_exact(backend, exact))
     grid = (args.batch * args.pages_per_seq * chunks,)
     return LaunchPlan(grid, sizes["num_warps"], scalars, constexprs,
                       kernel="_dequantize_pages_kernel")
 
 
 # ---------------------------------------------------------------------------------------------
-# NVFP4
+# Packed formats (NVFP4)
 
 def _nvfp4_offsets_64(args: WriteArgs, tokens: int, block_h: int, block_d: int) -> bool:
     """:func:`offsets_64` of an nvfp4 write: inputs of ``block_d`` columns, caches of
-    ``block_d / 2`` bytes and block scales of ``block_d / 16`` per head row."""
+    ``block_d / 2`` bytes and block scales of ``block_d / block_size`` per head row."""
+    fmt = args.fmt
     reach = [(tokens - 1) * x.strides[0] + block_h * x.strides[1] + block_d
              for x in (args.key, args.value)]
-    for cache, cols in ((args.key_cache, block_d // 2), (args.value_cache, block_d // 2),
-                        (args.key_scale.stored, block_d // 16),
-                        (args.value_scale.stored, block_d // 16)):
+    for cache, cols in ((args.key_cache, block_d // fmt.codes_per_byte),
+                        (args.value_cache, block_d // fmt.codes_per_byte),
+                        (args.key_scale.stored, block_d // fmt.blocks.size),
+                        (args.value_scale.stored, block_d // fmt.blocks.size)):
         reach.append(cache.offset + (cache.num_pages - 1) * cache.stride_page
                      + (cache.page_size - 1) * cache.stride_slot + block_h * cache.stride_head
                      + cols)
@@ -310,7 +301,7 @@ def _nvfp4_offsets_64(args: WriteArgs, tokens: int, block_h: int, block_d: int) 
 def _plan_write_nvfp4(args: WriteArgs, backend: str, exact: bool | None) -> LaunchPlan:
     """Plan ``_write_nvfp4_kernel``: ``[BLOCK_T, BLOCK_H, BLOCK_D]`` tiles of whole rows."""
     sizes = NVFP4_WRITE_SIZES[backend]
-    kc, vc = args.key_cache, args.value_cache
+    kc = args.key_cache
     head_dim = args.key.shape[2]
     # BLOCK_D holds whole groups of two blocks (32 elements; ops/write_nvfp4.py).
     block_h, block_d = triton.next_power_of_2(kc.num_heads), max(32, triton.next_power_of_2(head_dim))
@@ -318,22 +309,16 @@ def _plan_write_nvfp4(args: WriteArgs, backend: str, exact: bool | None) -> Laun
     block_t = max(1, sizes["small_tile" if small else "tile"] // (block_h * block_d))
     if backend == INTERPRET:  # no compile cost here: fit the tile to the batch
         block_t = min(block_t, triton.next_power_of_2(max(args.num_tokens, 1)))
-    ks, vs = args.key_scale, args.value_scale
-    key, value = args.key, args.value
-    scalars = dict(num_tokens=args.num_tokens, num_slots=kc.num_slots,
-                   key_scale_value=float(ks.value), value_scale_value=float(vs.value))
+    scalars = dict(num_tokens=args.num_tokens, num_slots=kc.num_slots, **_scalars(args))
     grid = (triton.cdiv(args.num_tokens, block_t),)
     constexprs = dict(
-        NUM_HEADS=kc.num_heads, HEAD_DIM=head_dim, PAGE_SIZE=kc.page_size,
-        STRIDE_KEY_TOKEN=key.strides[0], STRIDE_KEY_HEAD=key.strides[1],
-        STRIDE_VALUE_TOKEN=value.strides[0], STRIDE_VALUE_HEAD=value.strides[1],
-        **_strides("KC", kc), **_strides("VC", vc), VALUE_CACHE_OFFSET=vc.offset,
-        **_strides("KB", ks.stored), **_strides("VB", vs.stored),
-        K_SCALE=ks.kind.id, V_SCALE=vs.kind.id, BLOCK_T=block_t, BLOCK_H=block_h,
-        BLOCK_D=block_d, LOADS_FIRST=sizes["loads_first"],
-        BLOCKWISE=small and sizes["small_blockwise"], SHARED_OUT=args.combined,
-        OFFSETS_64=_nvfp4_offsets_64(args, grid[0] * block_t, block_h, block_d),
-        EXACT=backend == INTERPRET if exact is None else exact)
+        CACHE=cache_record(args),
+        ROWS=WriteRows(_rows(args.key, head_dim), _rows(args.value, head_dim)),
+        TILE=NvFp4WriteTile(
+            BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, LOADS_FIRST=sizes["loads_first"],
+            BLOCKWISE=small and sizes["small_blockwise"],
+            OFFSETS_64=_nvfp4_offsets_64(args, grid[0] * block_t, block_h, block_d)),
+        EXACT=_exact(backend, exact))
     num_warps = sizes["small_batch_warps"] if small else sizes["num_warps"]
     return LaunchPlan(grid, num_warps, scalars, constexprs, kernel="_write_nvfp4_kernel")
 
@@ -343,31 +328,28 @@ def _plan_dequantize_nvfp4(args: DequantArgs, ko, vo, backend: str, exact: bool 
     """Plan ``_dequantize_nvfp4_kernel``: ``[ROWS, BLOCK_D]`` tiles of whole head rows."""
     sizes = NVFP4_DEQUANT_SIZES[backend]
     kc, vc = args.key_cache, args.value_cache
-    ks, vs, os = args.key_scale, args.value_scale, args.out_scale
     block_d = triton.next_power_of_2(args.head_dim)
-    table = args.block_table
-    scalars = dict(
-        pages_per_seq=max(args.pages_per_seq, 1), stride_table_seq=table.strides[0],
-        stride_table_page=table.strides[1], num_pages=kc.num_pages,
-        null_page=-1 if args.null_page is None else args.null_page,
-        key_scale_value=float(ks.value), value_scale_value=float(vs.value),
-        out_scale_value=float(os.value))
-    codes_and_out = dict(**_strides("KC", kc), **_strides("VC", vc), VALUE_CACHE_OFFSET=vc.offset,
-                         **_strides("KO", ko), **_strides("VO", vo), VALUE_OUT_OFFSET=vo.offset)
+    scalars = dict(**_table_scalars(args), **_scalars(args),
+                   out_scale_value=float(args.out_scale.value))
     # FP8 output by lookup: codes and output bytes move as int32 words (ops/dequantize_nvfp4.py).
-    lookup = (sizes["lookup"] and args.out_dtype == FP8_OUTPUT_DTYPE and aligned
-              and all(n % 4 == 0 for n in codes_and_out.values()))
+    words = (kc.stride_page, kc.stride_slot, kc.stride_head, vc.stride_page, vc.stride_slot,
+             vc.stride_head, vc.offset, ko.stride_page, ko.stride_slot, ko.stride_head,
+             vo.stride_page, vo.stride_slot, vo.stride_head, vo.offset)
+    fp8 = args.out_dtype == FP8_OUTPUT_DTYPE
+    lookup = sizes["lookup"] and fp8 and aligned and all(n % 4 == 0 for n in words)
     rows = max(1, sizes["lookup_block" if lookup else "block"] // block_d)
     if backend == INTERPRET:  # one program per page where it fits
         rows = min(rows, triton.next_power_of_2(kc.page_size * kc.num_heads))
     constexprs = dict(
-        NUM_HEADS=kc.num_heads, HEAD_DIM=args.head_dim, PAGE_SIZE=kc.page_size, **codes_and_out,
-        **_strides("KB", ks.stored), **_strides("VB", vs.stored),
-        K_SCALE=ks.kind.id, V_SCALE=vs.kind.id, OUT_SCALE=os.kind.id,
-        HND=args.layout == "HND" and args.cache_rank == 4, ROWS=rows, BLOCK_D=block_d,
-        OUT_KIND=int(OUT_KIND_OF_DTYPE[args.out_dtype]), HAS_NULL_PAGE=args.null_page is not None,
-        SHARED_OUT=args.combined, RECIPROCAL_DIV=int(sizes["reciprocal_div"]),
-        LOOKUP=lookup, EXACT=backend == INTERPRET if exact is None else exact)
+        CACHE=cache_record(args),
+        OUT=Output(strides(ko), strides(vo), int(OUT_KIND_OF_DTYPE[args.out_dtype]),
+                   FMT=FORMAT_OF_DTYPE[FP8_OUTPUT_DTYPE].codec if fp8 else None,
+                   SCALE=args.out_scale.kind.id),
+        TILE=ReadTile(BLOCK=rows * block_d, BLOCK_D=block_d, ROWWISE=True,
+                      HND=args.layout == "HND" and args.cache_rank == 4,
+                      HAS_NULL_PAGE=args.null_page is not None,
+                      RECIPROCAL_DIV=int(sizes["reciprocal_div"]), LOOKUP=lookup),
+        EXACT=_exact(backend, exact))
     chunks = triton.cdiv(kc.page_size * kc.num_heads, rows)
     grid = (args.batch * args.pages_per_seq * chunks,)
     return LaunchPlan(grid, sizes["num_warps"], scalars, constexprs,

@@ -12,14 +12,15 @@ import functools
 
 import triton
 
+from .constexprs import Rope, RopeRows, RopeTile
 from .modes import OUT_KIND_OF_DTYPE, Division, ScaleKind
-from .plan import CUDA, INT32_REACH, INTERPRET, LaunchPlan, _shared
+from .plan import CUDA, INT32_REACH, INTERPRET, LaunchPlan, _exact, _rows, cache_record
 from .validate_rope import RopeWriteArgs
 
-# Per backend. Batches of up to `small_batch_tokens` tokens take the `small_*` entries, and of up
-# to `tiny_batch_tokens` (`tiny_batch_tokens_dynamic` with dynamic K/V scales, else
-# `tiny_batch_tokens_fp8q` with an FP8 query) the `tiny_*` ones (a decode step's few tokens:
-# spread over more SMs).
+# Per backend (bench/NOTES.md has the measurements behind each entry). Batches of up to
+# `small_batch_tokens` tokens take the `small_*` entries, and of up to `tiny_batch_tokens`
+# (`tiny_batch_tokens_dynamic` with dynamic K/V scales, else `tiny_batch_tokens_fp8q` with an FP8
+# query) the `tiny_*` ones (a decode step's few tokens: spread over more SMs).
 # * block_t: tokens per program. The interpreter fits it to the batch, up to `tile` elements of
 #   query per program (it runs one program at a time, ~ms each).
 # * kv_heads_per_program: kv heads (with their query heads) per program; 0 means all of them (one
@@ -32,11 +33,6 @@ from .validate_rope import RopeWriteArgs
 # * num_warps; reciprocal_div / fp8q_reciprocal_div (with an FP8 query, whose 4x more
 #   divisions make the per-element cost count): how a batch divides by a per-tensor scale (a
 #   fp8kv.modes.Division, exact either way: fp8kv.ops.codec.divide), as write_kv does.
-# Measured on the H200 (bench/NOTES.md): up to 64 tokens (16 with dynamic scales, 256 with an
-# FP8 query: 3.75 vs 4.12 us at 256), 2 kv heads per program with 4 warps and div.rn; up to 256,
-# all heads with 4 warps and the FMA division; an FP8 query at every size: the fp64 division
-# (65,536 tokens: 392 vs 477 us with div.rn) in 1,024-element query steps (65,536 tokens: 357
-# vs 397 us with 4,096; a bf16 query keeps 4,096: 372 vs 391 us).
 ROPE_SIZES = {
     CUDA: dict(block_t=1, kv_heads_per_program=0, q_tile=4096, fp8q_q_tile=1024, v_tile=1024,
                num_warps=4, reciprocal_div=Division.DIV_RN, fp8q_reciprocal_div=Division.FP64,
@@ -130,32 +126,29 @@ def plan_rope_write(args: RopeWriteArgs, backend: str, exact: bool | None = None
     block_vd = min(_pow2(kv_heads * head_dim), sizes["v_tile"])
     q, qo, key, value = args.query, args.query_out, w.key, w.value
     ko = args.key_out if args.key_out is not None else key
-    scalars, constexprs = _shared(w, backend, exact)
-    scalars.update(num_tokens=args.num_tokens, num_slots=kc.num_slots,
-                   max_position=args.max_position,
+    scalars = dict(num_tokens=args.num_tokens, num_slots=kc.num_slots,
+                   max_position=args.max_position, key_scale_value=float(w.key_scale.value),
+                   value_scale_value=float(w.value_scale.value),
                    query_scale_value=float(args.query_scale.value))
-    q_fmt = args.query_format
-    constexprs.update(
-        NUM_Q_HEADS=q_heads, ROTARY_DIM=rotary, GPTJ=args.gptj,
-        STRIDE_Q_TOKEN=q.strides[0], STRIDE_Q_HEAD=q.strides[1],
-        STRIDE_QO_TOKEN=qo.strides[0], STRIDE_QO_HEAD=qo.strides[1],
-        STRIDE_KEY_TOKEN=key.strides[0], STRIDE_KEY_HEAD=key.strides[1],
-        STRIDE_KO_TOKEN=ko.strides[0], STRIDE_KO_HEAD=ko.strides[1],
-        STRIDE_VALUE_TOKEN=value.strides[0], STRIDE_VALUE_HEAD=value.strides[1],
-        STRIDE_CS_POS=args.cos_sin_cache.strides[0],
-        Q_FP8=q_fmt is not None, Q_FORMAT=(q_fmt or w.fmt).id, Q_SCALE=args.query_scale.kind.id,
-        Q_OUT_KIND=int(OUT_KIND_OF_DTYPE[args.query.dtype]),
-        KEY_OUT=args.key_out is not None, SCALE_POW2=w.scale_pow2,
-        BLOCK_T=block_t, KV_HEADS=kv_heads, BLOCK_H=_pow2(kv_heads), BLOCK_HQ=block_hq,
-        BLOCK_D=block_d, BLOCK_HALF=_pow2(rotary // 2),
-        BLOCK_PASS=_pow2(head_dim - rotary) if head_dim > rotary else 0, BLOCK_VD=block_vd,
-        VALUE_PACKED=value.strides[1] == head_dim or num_heads == 1,
-        CACHE_PACKED=kc.packed_rows and vc.packed_rows,
-        RECIPROCAL_DIV=int(sizes[prefix + fp8q + "reciprocal_div"]),
-        SHARED_OUT=w.combined)
     grid = (triton.cdiv(args.num_tokens, block_t), num_heads // kv_heads)
-    constexprs["OFFSETS_64"] = rope_offsets_64(args, grid[0] * block_t,
-                                               max(_pow2(kv_heads), block_hq), block_d,
-                                               block_vd)
+    q_fmt = args.query_format
+    constexprs = dict(
+        CACHE=cache_record(w, w.scale_pow2),
+        ROWS=RopeRows(QUERY=_rows(q, head_dim), QUERY_OUT=_rows(qo, head_dim),
+                      KEY=_rows(key, head_dim), KEY_OUT=_rows(ko, head_dim),
+                      VALUE=_rows(value, head_dim), COS_SIN=args.cos_sin_cache.strides[0]),
+        ROPE=Rope(NUM_Q_HEADS=q_heads, ROTARY_DIM=rotary, GPTJ=args.gptj,
+                  Q_FMT=None if q_fmt is None else q_fmt.codec, Q_SCALE=args.query_scale.kind.id,
+                  Q_OUT_KIND=int(OUT_KIND_OF_DTYPE[args.query.dtype]),
+                  KEY_OUT=args.key_out is not None),
+        TILE=RopeTile(
+            BLOCK_T=block_t, KV_HEADS=kv_heads, BLOCK_H=_pow2(kv_heads), BLOCK_HQ=block_hq,
+            BLOCK_D=block_d, BLOCK_HALF=_pow2(rotary // 2),
+            BLOCK_PASS=_pow2(head_dim - rotary) if head_dim > rotary else 0, BLOCK_VD=block_vd,
+            CACHE_PACKED=kc.packed_rows and vc.packed_rows,
+            RECIPROCAL_DIV=int(sizes[prefix + fp8q + "reciprocal_div"]),
+            OFFSETS_64=rope_offsets_64(args, grid[0] * block_t, max(_pow2(kv_heads), block_hq),
+                                       block_d, block_vd)),
+        EXACT=_exact(backend, exact))
     num_warps = sizes[prefix + "batch_warps" if prefix else "num_warps"]
     return LaunchPlan(grid, num_warps, scalars, constexprs)

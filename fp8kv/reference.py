@@ -511,10 +511,10 @@ def e2m1_magnitude(a) -> np.ndarray:
 
 def _nvfp4_blocks(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x)
-    if x.shape[-1] % NVFP4.block_size:
+    if x.shape[-1] % NVFP4.blocks.size:
         raise ValueError(f"x: expected a last dimension that is a multiple of "
-                         f"{NVFP4.block_size}, got {x.shape[-1]}")
-    return x.reshape(x.shape[:-1] + (x.shape[-1] // NVFP4.block_size, NVFP4.block_size))
+                         f"{NVFP4.blocks.size}, got {x.shape[-1]}")
+    return x.reshape(x.shape[:-1] + (x.shape[-1] // NVFP4.blocks.size, NVFP4.blocks.size))
 
 
 def quantize_nvfp4(x, g=None):

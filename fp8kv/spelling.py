@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-# The output dtypes of a dequantize, by the names the core uses (and accepts as strings); the
-# core says which of them a given cache takes (float8_e4m3fn: an nvfp4 cache's FP8 workspace).
-OUTPUT_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+# The output dtypes of a dequantize, by the names the core uses (and accepts as strings); each
+# format says which of them its caches take (fp8kv.formats.Format.out_dtypes).
+from .formats import OUTPUT_DTYPES
 
 
 def check_flag(value, name: str) -> bool:

@@ -12,9 +12,8 @@ from numbers import Real
 import numpy as np
 
 from .arrays import ArrayInfo, fmt_shape
-from .formats import (BLOCK_SCALE_DTYPES, CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, FP8_FORMATS,
-                      FP8_OUTPUT_DTYPE, INPUT_DTYPES, OUTPUT_DTYPES, SLOT_DTYPES, Format,
-                      resolve_format)
+from .formats import (CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, FP8_FORMATS, FP8_OUTPUT_DTYPE,
+                      INPUT_DTYPES, SLOT_DTYPES, Format, resolve_format)
 from .layout import (INLINE_PADS, LAYOUTS, Layers, PagedCache, block_scales_shape,
                      combined_halves, expected_cache_shape, inline_data, paged, pages_shape,
                      scale_cache as scale_cache_geometry, scale_cache_shapes)
@@ -54,13 +53,16 @@ def check_format_name(fp8_format, cache_format):
 
 def check_format(cache: ArrayInfo, fp8_format, name: str, cache_format=None) -> Format:
     """The cache's format (a row of :data:`fp8kv.formats.FORMATS`): its dtype's, or the named
-    one for a uint8 cache (a block format, nvfp4, is uint8 only)."""
+    one for a uint8 cache (a block-scaled format: uint8, or the typed dtype of its codes)."""
     arg, given = check_format_name(fp8_format, cache_format)
-    if given is not None and FORMATS[given].dtype is None:
-        if cache.dtype != "uint8":
-            raise TypeError(f"{name}: expected dtype uint8 for {arg}={given!r} (two 4-bit codes "
-                            f"per byte), got {cache.dtype}")
-        return FORMATS[given]
+    if given is not None and FORMATS[given].block_scaled:
+        fmt = FORMATS[given]
+        if cache.dtype not in ("uint8", fmt.dtype):
+            expected, codes = (("uint8", "two 4-bit codes per byte") if fmt.packed else
+                               (f"uint8 or {fmt.dtype}", f"{fmt.dtype} codes"))
+            raise TypeError(f"{name}: expected dtype {expected} for {arg}={given!r} ({codes}), "
+                            f"got {cache.dtype}")
+        return fmt
     fmt = resolve_format(cache.dtype, given)
     if cache.dtype in FORMAT_OF_DTYPE and given not in (None, fmt.name):
         raise ValueError(f"{arg}: {name} is {cache.dtype}, which is {fmt.name!r}, "
@@ -183,13 +185,13 @@ SCALE_ROUNDINGS = ("exact", "pow2")
 def check_scale_cache_arg(scale_cache, name: str, array_type: type = ArrayInfo,
                           fmt: Format | None = None):
     """None, ``"inline"`` or an array: an :class:`ArrayInfo` (a frontend's array), or what
-    ``array_type`` says (the reference's NumPy arrays); anything else raises. For a block format
-    (``fmt``, nvfp4) an array of block scales is required: that check is
+    ``array_type`` says (the reference's NumPy arrays); anything else raises. For a block-scaled
+    format (``fmt``) an array of block scales is required: that check is
     :func:`check_block_scales`'."""
-    if fmt is not None and fmt.block_size:
+    if fmt is not None and fmt.block_scaled:
         if scale_cache is not None and not isinstance(scale_cache, (str, array_type)):
             raise TypeError(f"{name}: expected an array of {fmt.name} block scales "
-                            f"({' or '.join(BLOCK_SCALE_DTYPES)}), got {type(scale_cache).__name__}")
+                            f"({' or '.join(fmt.blocks.dtypes)}), got {type(scale_cache).__name__}")
         return scale_cache
     if isinstance(scale_cache, str):
         if scale_cache != INLINE:
@@ -257,24 +259,27 @@ def check_scale_cache(scale_cache, name: str, scale, scale_name: str, cache: Pag
 
 
 def check_block_head_dim(head_dim: int, fmt: Format, name: str) -> None:
-    """A head_dim (of ``name``) that a block format can hold: whole blocks of scales."""
-    if head_dim % fmt.block_size:
-        raise ValueError(f"{name}: expected a head_dim that is a multiple of {fmt.block_size} for "
-                         f"cache_format={fmt.name!r} (one block scale per {fmt.block_size} "
-                         f"elements), got {head_dim}")
+    """A head_dim (of ``name``) that a block-scaled format can hold: whole blocks of scales."""
+    size = fmt.blocks.size
+    if head_dim % size:
+        raise ValueError(f"{name}: expected a head_dim that is a multiple of {size} for "
+                         f"cache_format={fmt.name!r} (one block scale per {size} elements), got "
+                         f"{head_dim}")
 
 
 def check_block_scales(scale_cache, name: str, cache: PagedCache, layout: str, rank: int,
                        device: str, fmt: Format) -> PagedCache:
-    """One side's block-scale array (required): the cache's shape with ``head_dim / block_size``
-    scales per head row, e4m3 or uint8. Returns its geometry."""
+    """One side's block-scale array (required): the cache's shape with ``head_dim /
+    fmt.blocks.size`` scales per head row, of one of ``fmt.blocks.dtypes``. Returns its
+    geometry."""
     shape = block_scales_shape(cache, layout, rank, fmt)
-    expected = (f"an array {fmt_shape(shape)} of {' or '.join(BLOCK_SCALE_DTYPES)} (the cache's "
-                f"shape with head_dim / {fmt.block_size} = {shape[-1]} block scales per head row)")
+    dtypes = fmt.blocks.dtypes
+    expected = (f"an array {fmt_shape(shape)} of {' or '.join(dtypes)} (the cache's shape with "
+                f"head_dim / {fmt.blocks.size} = {shape[-1]} block scales per head row)")
     if not isinstance(scale_cache, ArrayInfo):
         raise ValueError(f"{name}: expected the block scales of an {fmt.name} cache, "
                          f"{expected}, got {scale_cache!r}")
-    check_dtype(scale_cache, name, BLOCK_SCALE_DTYPES)
+    check_dtype(scale_cache, name, dtypes)
     if scale_cache.shape != shape:
         raise ValueError(f"{name}: expected {expected}, got shape {fmt_shape(scale_cache.shape)}")
     check_device(scale_cache, name, device)
@@ -285,11 +290,14 @@ def check_block_scales(scale_cache, name: str, cache: PagedCache, layout: str, r
 
 def _block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
                        layout, rank, device, num_heads, fmt) -> tuple[SideScale, SideScale]:
-    """Both sides of a block format (nvfp4): a static global scale and the block scales."""
+    """Both sides of a block-scaled format: the block scales and, for a packed format (nvfp4),
+    a static global scale; the others' block scales are their only scales."""
     sides = []
     for side, scale, sc, cache in (("key", key_scale, key_scale_cache, kc),
                                    ("value", value_scale, value_scale_cache, vc)):
         stored = check_block_scales(sc, f"{side}_scale_cache", cache, layout, rank, device, fmt)
+        if not fmt.packed:
+            check_no_static_scale(scale, sc, f"{side}_scale")
         static = check_scale(scale, f"{side}_scale", num_heads, device)
         sides.append(SideScale(static.kind, static.value, ScaleKind.BLOCK, stored))
     return tuple(sides)
@@ -324,9 +332,9 @@ def _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc,
 
 
 def check_layers_supported(layers, fmt: Format) -> None:
-    """Stacked caches (``layer=``) are FP8 caches: the nvfp4 kernels address one layer's
-    caches (pass that layer's views, e.g. ``cache[layer]``)."""
-    if layers is not None and fmt.block_size:
+    """Stacked caches (``layer=``) are FP8 caches: the packed-code kernels (nvfp4) address one
+    layer's caches (pass that layer's views, e.g. ``cache[layer]``)."""
+    if layers is not None and fmt.packed:
         raise ValueError(f"layer: expected None with cache_format={fmt.name!r} (stacked caches "
                          f"take the FP8 formats; pass one layer's caches), got a layer")
 
@@ -383,11 +391,12 @@ def check_write(key, value, key_cache=None, value_cache=None, slots=None, key_sc
     key_scale_cache = check_scale_cache_arg(key_scale_cache, "key_scale_cache", fmt=fmt)
     value_scale_cache = check_scale_cache_arg(value_scale_cache, "value_scale_cache", fmt=fmt)
     pow2 = check_choice(scale_rounding, "scale_rounding", SCALE_ROUNDINGS) == "pow2"
-    if fmt.block_size:   # nvfp4: block scales (e4m3, rounded to nearest), no inline scales
+    if fmt.block_scaled:   # block scales by the format's rule, no inline scales
         check_block_head_dim(head_dim, fmt, "key")
         if pow2:
             raise ValueError(f"scale_rounding: expected 'exact' for cache_format={fmt.name!r} "
-                             f"(its block scales are e4m3, rounded to nearest), got 'pow2'")
+                             f"(its block scales are {fmt.blocks.scale.name}, made by the "
+                             f"format's rule), got 'pow2'")
         pad = 0
     else:
         kc, vc, pad = check_inline(key_scale_cache, value_scale_cache, kc, vc, head_dim,
@@ -407,7 +416,7 @@ def check_write(key, value, key_cache=None, value_cache=None, slots=None, key_sc
         raise ValueError(f"slots: expected shape [{num_tokens}] (one per token), got "
                          f"{fmt_shape(slots.shape)}")
     check_contiguous(slots, "slots")
-    if fmt.block_size:
+    if fmt.block_scaled:
         ks, vs = _block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
                                     kc, vc, layout, rank, device, num_heads, fmt)
     else:
@@ -464,7 +473,7 @@ def check_dequantize(key_cache=None, value_cache=None, block_table=None, key_sca
     value_scale_cache = check_scale_cache_arg(value_scale_cache, "value_scale_cache", fmt=fmt)
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
         raise TypeError(f"head_dim: expected None or an int, got {type(head_dim).__name__}")
-    if fmt.block_size:   # nvfp4: the pages hold 2 x the caches' last dimension
+    if fmt.block_scaled:   # the pages hold codes_per_byte x the caches' last dimension
         elems = kc.head_dim * fmt.codes_per_byte
         if head_dim is not None and head_dim != elems:
             raise ValueError(f"head_dim: expected that of {cache_name} ({elems}: {kc.head_dim} "
@@ -481,20 +490,19 @@ def check_dequantize(key_cache=None, value_cache=None, block_table=None, key_sca
                              f"({kc.head_dim}) without an inline scale cache, got {head_dim}")
         kc, vc, pad = check_inline(key_scale_cache, value_scale_cache, kc, vc, head_dim,
                                    cache_name)
-    if fmt.block_size and dtype not in OUTPUT_DTYPES + (FP8_OUTPUT_DTYPE,):
-        raise TypeError(f"dtype: expected bfloat16, float16, float32 or {FP8_OUTPUT_DTYPE}, got "
-                        f"{dtype}")
-    if not fmt.block_size and dtype not in OUTPUT_DTYPES:
-        hint = (f" ({FP8_OUTPUT_DTYPE} output is for cache_format='nvfp4')"
-                if dtype == FP8_OUTPUT_DTYPE else "")
-        raise TypeError(f"dtype: expected bfloat16, float16 or float32{hint}, got {dtype}")
+    if dtype not in fmt.out_dtypes:
+        allowed = ", ".join(fmt.out_dtypes[:-1]) + " or " + fmt.out_dtypes[-1]
+        takers = [f.name for f in FORMATS.values() if dtype in f.out_dtypes]
+        hint = (f" ({dtype} output is for cache_format="
+                f"{' or '.join(repr(n) for n in takers)})" if takers else "")
+        raise TypeError(f"dtype: expected {allowed}{hint}, got {dtype}")
     check_dtype(block_table, "block_table", ("int32", "int64"))
     if block_table.ndim != 2:
         raise ValueError(f"block_table: expected rank 2 [batch, pages_per_seq], got shape "
                          f"{fmt_shape(block_table.shape)}")
     if null_page is not None and (isinstance(null_page, bool) or not isinstance(null_page, int)):
         raise TypeError(f"null_page: expected None or an int, got {type(null_page).__name__}")
-    if fmt.block_size:
+    if fmt.block_scaled:
         ks, vs = _block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
                                     kc, vc, layout, rank, device, kc.num_heads, fmt)
     else:

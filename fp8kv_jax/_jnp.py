@@ -139,7 +139,7 @@ def write_kv(arrays: dict, *, args) -> dict:
     """The updated arrays by argument name, from ``arrays`` (the call's, by argument name; None
     for an absent scale): the caches (``kv_cache`` when ``args.combined``), then each side
     scale array given."""
-    if args.fmt.block_size:
+    if args.fmt.packed:
         return _write_nvfp4(arrays, args)
     combined = args.combined
     slots = arrays["slots"]
@@ -197,7 +197,7 @@ def _stored_scales(scale_cache, codes, index, num_pages, kind, args, layer=None)
 def dequantize_pages(arrays: dict, *, args) -> dict:
     """The outputs by argument name (``key_out``, ``value_out``, ``table_out``; ``kv_out``,
     ``table_out`` when ``args.combined``) from ``arrays`` (the call's, by argument name)."""
-    if args.fmt.block_size:
+    if args.fmt.packed:
         return _dequantize_nvfp4(arrays, args)
     num_pages = args.key_cache.num_pages
     block_table = arrays["block_table"]
@@ -365,7 +365,7 @@ def _quantize_nvfp4(x, g):
     """``(codes [T, H, D/2], block scales [T, H, D/16])``, uint8, of ``x`` ``[T, H, D]`` with
     global scale ``g`` (None, a scalar or ``[H, 1]``)."""
     t, h, d = x.shape
-    blocks = x.astype(jnp.float32).reshape(t, h, d // NVFP4.block_size, NVFP4.block_size)
+    blocks = x.astype(jnp.float32).reshape(t, h, d // NVFP4.blocks.size, NVFP4.blocks.size)
     g = jnp.float32(1.0) if g is None else g
     a = jnp.abs(blocks)
     amax = jnp.where(jnp.isnan(a), jnp.float32(0.0), a).max(axis=-1)            # [T, H, NB]
@@ -408,7 +408,7 @@ def _nvfp4_values(codes, blocks, g):
     """fp32 ``(e2m1 * block scale) * g`` of gathered codes ``[..., D/2]`` and block scales
     ``[..., D/16]``; ``g`` broadcasts against ``[..., D/16, 16]``."""
     nibbles = jnp.stack([codes & 0xF, codes >> 4], axis=-1)
-    nibbles = nibbles.reshape(blocks.shape + (NVFP4.block_size,))
+    nibbles = nibbles.reshape(blocks.shape + (NVFP4.blocks.size,))
     mag = _E2M1[nibbles & 0x7]
     e2m1 = jnp.where((nibbles & 0x8) != 0, -mag, mag)
     sv = lax.bitcast_convert_type(blocks, jnp.dtype(E4M3.dtype)).astype(jnp.float32)

@@ -47,8 +47,8 @@ def jax_triton():
     return jt
 
 
-# A kernel output that the plan leaves unused (SHARED_OUT: V goes through the K output; a static
-# scale's output): jax-triton wants a buffer for it unless it is one of the trailing ones.
+# A kernel output that the plan leaves unused (a combined cache: V goes through the K output; a
+# static scale's output): jax-triton wants a buffer for it unless it is one of the trailing ones.
 _UNUSED_OUTPUT = jax.ShapeDtypeStruct((1,), jnp.uint8)
 
 
@@ -96,13 +96,13 @@ def _launch(kernel, plan, operands: OperandMap, arrays: dict, new: dict | None =
 
 def write_kv(arrays: dict, *, args) -> dict:
     """As :func:`fp8kv_jax._jnp.write_kv`."""
-    return _write_kv(arrays, args=args, xla=_xla_triton.enabled() and not args.fmt.block_size)
+    return _write_kv(arrays, args=args, xla=_xla_triton.enabled() and not args.fmt.packed)
 
 
 def dequantize_pages(arrays: dict, *, args) -> dict:
     """As :func:`fp8kv_jax._jnp.dequantize_pages`."""
     return _dequantize_pages(arrays, args=args,
-                             xla=_xla_triton.enabled() and not args.fmt.block_size)
+                             xla=_xla_triton.enabled() and not args.fmt.packed)
 
 
 # The path is a static argument: FP8KV_JAX_XLA_TRITON is read per call, and a jitted function

@@ -66,7 +66,7 @@ def test_every_write_plan_names_the_kernel_parameters(backend, combined):
     for case in WRITE_CASES:
         plan = _write_plan(case, backend, combined)
         check_names(ops._write_kv_kernel, plan.scalars, plan.constexprs, dict.fromkeys(WRITE_ARRAYS))
-        assert plan.constexprs["SHARED_OUT"] == combined
+        assert plan.constexprs["CACHE"].COMBINED == combined
 
 
 @pytest.mark.parametrize("backend", [CUDA, INTERPRET])
@@ -76,7 +76,7 @@ def test_every_dequantize_plan_names_the_kernel_parameters(backend, combined):
         plan = _dequant_plan(case, backend, combined)
         check_names(ops._dequantize_pages_kernel, plan.scalars, plan.constexprs,
                     dict.fromkeys(DEQUANT_ARRAYS))
-        assert plan.constexprs["SHARED_OUT"] == combined
+        assert plan.constexprs["CACHE"].COMBINED == combined
 
 
 def test_bind_orders_by_the_kernel_signature():
@@ -138,8 +138,8 @@ def test_dynamic_scale_plans_name_the_kernel_parameters(backend, dynamic):
                        key_scale_cache=sc, value_scale_cache=sc, scale_rounding="pow2")
     plan = plan_write(args, backend)
     check_names(ops._write_kv_kernel, plan.scalars, plan.constexprs, dict.fromkeys(WRITE_ARRAYS))
-    assert plan.constexprs["SCALE_POW2"] and plan.constexprs["HEAD_DIM"] == 80
-    assert plan.constexprs["INLINE_PAD"] == (4 if dynamic == "inline" else 0)
+    assert plan.constexprs["CACHE"].SCALE_POW2 and plan.constexprs["CACHE"].HEAD_DIM == 80
+    assert plan.constexprs["CACHE"].INLINE_PAD == (4 if dynamic == "inline" else 0)
     table = ArrayInfo.contiguous((2, 3), "int32", "cuda:0")
     dargs = check_dequantize(cache, cache, table, None, None, dtype="bfloat16", layout="NHD",
                              fp8_format=None, null_page=None, key_scale_cache=sc,
@@ -163,7 +163,7 @@ def test_write_offsets_are_int64_only_past_int32_reach(backend):
                                                          "float32", "cuda:0")
         args = check_write(key, key, cache, cache, slots, None if sc else 1.0, None if sc else 1.0,
                            layout="NHD", fp8_format=None, key_scale_cache=sc, value_scale_cache=sc)
-        return plan_write(args, backend).constexprs["OFFSETS_64"]
+        return plan_write(args, backend).constexprs["TILE"].OFFSETS_64
 
     assert not plan()
     assert not plan(num_slots=2 ** 31 // 256 - 2)   # the cache ends 512 elements below 2**31

@@ -75,7 +75,7 @@ def blockwise(monkeypatch):
 
     def recording(*args, **kwargs):
         launch = planner(*args, **kwargs)
-        made.append(launch.constexprs["BLOCKWISE"])
+        made.append(launch.constexprs["TILE"].BLOCKWISE)
         return launch
 
     monkeypatch.setattr(plan, "_plan_write_nvfp4", recording)

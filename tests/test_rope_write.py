@@ -545,7 +545,7 @@ def test_gpu_rows_past_2_31_elements():
         t["query"], t["key"], t["value"], *caches, slots_t, t["positions"], t["cos_sin_cache"])],
         0.37, 0.37, rope_style="neox", rotary_dim=None, query_scale=None, query_out=None,
         layout="NHD", fp8_format=None)
-    assert plan_rope_write(args, CUDA).constexprs["OFFSETS_64"]
+    assert plan_rope_write(args, CUDA).constexprs["TILE"].OFFSETS_64
     q = rope_write_kv(t["query"], t["key"], t["value"], *caches, slots_t, t["positions"],
                       t["cos_sin_cache"], 0.37, 0.37)
     small = np.where(slots < 0, -1, np.arange(len(slots)))

@@ -116,7 +116,7 @@ def test_write_kernel_compiles_for_sm90(case, exact):
     assert "ftz" not in " ".join(found)
     if not exact:  # the fast path relies on the saturating conversion (no clamp of its own)
         assert any(op.startswith("cvt.rn.satfinite") for op in found)
-    division = plan.constexprs["RECIPROCAL_DIV"]
+    division = plan.constexprs["TILE"].RECIPROCAL_DIV
     if args.key_scale.kind is ScaleKind.HEAD or (args.key_scale.kind is not ScaleKind.NONE and (
             exact or division == Division.DIV_RN)):
         assert "div.rn.f32" in found   # IEEE division
@@ -135,7 +135,7 @@ def test_write_kernel_compiles_for_sm90(case, exact):
         # Each thread loads its consecutive K/V elements of a row at once: 16 bytes for large
         # batches' programs, 8 for small batches' 8 warps, 4 for a decode batch's 16 warps
         # (split rows: test_split_rows_compile_for_sm90).
-        per_thread = (plan.constexprs["BLOCK_T"] * plan.constexprs["BLOCK_HD"]
+        per_thread = (plan.constexprs["TILE"].BLOCK_T * plan.constexprs["TILE"].BLOCK_HD
                       // (32 * plan.num_warps))
         if per_thread >= 4:
             assert any(op.startswith("ld.global.v") for op in found), found
@@ -163,7 +163,7 @@ def test_split_rows_compile_for_sm90(tokens, warps, division, monkeypatch):
                            fp8_format=None)
         plan = plan_write(args, CUDA)
         assert plan.grid == (tokens, 8) and plan.num_warps == warps
-        assert plan.constexprs["ROW_CHUNK"] == plan.constexprs["BLOCK_HD"] == 128
+        assert plan.constexprs["TILE"].ROW_CHUNK == plan.constexprs["TILE"].BLOCK_HD == 128
         compiled = compile_for_hopper(
             ops._write_kv_kernel, write_arrays(args, "bfloat16", "float8_e4m3fn", "int64",
                                                "float32"), plan)
@@ -183,7 +183,8 @@ def test_write_combined_kernel_compiles_for_sm90():
     slots = ArrayInfo.contiguous((64,), "int64", "cuda:0")
     args = check_write(x, x, None, None, slots, 0.5, 0.5, layout="NHD", fp8_format=None, kv_cache=kv)
     plan = plan_write(args, CUDA)
-    assert plan.constexprs["SHARED_OUT"] and plan.constexprs["VALUE_CACHE_OFFSET"] == 16 * 8 * 128
+    cache = plan.constexprs["CACHE"]
+    assert cache.COMBINED and cache.VALUE.CODES.OFFSET == 16 * 8 * 128
     compile_for_hopper(ops._write_kv_kernel,
                        write_arrays(args, "bfloat16", "float8_e4m3fn", "int64", "int64"), plan)
 
@@ -368,7 +369,7 @@ def test_rope_write_kernel_compiles_for_sm90(variant, exact):
     if variant[7] != "none" or variant[8] != variant[5]:   # a scale: IEEE division
         # div_rn, or (one scale, small batch) the reciprocal refined in fp64 and corrected, or
         # the fp64 reciprocal and product
-        division = plan.constexprs["RECIPROCAL_DIV"]
+        division = plan.constexprs["TILE"].RECIPROCAL_DIV
         ptx = compiled.asm["ptx"]
         assert "div.rn.f32" in found or (not exact and (
             (division == Division.FMA and "fma.rn.f64" in ptx)
@@ -392,14 +393,14 @@ def test_rope_default_shape_gets_16_byte_accesses(style, tokens, int_divisibilit
     compiled = compile_for_hopper(ops._rope_write_kv_kernel, arrays, plan, int_divisibility)
     found = ptx_ops(compiled)
     assert "ld.global.v4.b32" in found, found
-    if plan.constexprs["KV_HEADS"] < 8 and style == "neox":
+    if plan.constexprs["TILE"].KV_HEADS < 8 and style == "neox":
         assert "st.global.v2.b32" in found, found
     else:
         assert "st.global.v4.b32" in found, found
     ptx = compiled.asm["ptx"]
     assert "ld.shared" not in ptx and "st.shared" not in ptx
     assert "ftz" not in ptx
-    if not plan.constexprs["RECIPROCAL_DIV"]:
+    if not plan.constexprs["TILE"].RECIPROCAL_DIV:
         assert not re.search(r"\bfma\.", ptx)
 
 
@@ -500,7 +501,7 @@ def test_nvfp4_write_kernel_compiles_for_sm90(variant, exact, combined, blockwis
         monkeypatch.undo()
         plan_write.cache_clear()
     small = variant[-1] * variant[3] * variant[4] <= NVFP4_WRITE_SIZES[CUDA]["small_batch_elems"]
-    assert plan.constexprs["BLOCKWISE"] == (blockwise and small)
+    assert plan.constexprs["TILE"].BLOCKWISE == (blockwise and small)
     assert plan.kernel == "_write_nvfp4_kernel"
     found = ptx_ops(compile_for_hopper(ops._write_nvfp4_kernel, arrays, plan))
     assert "ftz" not in " ".join(found)
@@ -523,7 +524,7 @@ def test_nvfp4_default_shapes_get_16_byte_accesses(int_divisibility):
                                                "float" if out == "float8_e4m3fn" else None))
         found = ptx_ops(compile_for_hopper(ops._dequantize_nvfp4_kernel, darrays, plan,
                                            int_divisibility))
-        loads = "ld.global.v2.b32" if plan.constexprs["LOOKUP"] else "ld.global.v4.b32"
+        loads = "ld.global.v2.b32" if plan.constexprs["TILE"].LOOKUP else "ld.global.v4.b32"
         assert {loads, "st.global.v4.b32"} <= found, (out, found)
 
 
@@ -581,17 +582,17 @@ def test_nvfp4_fp8_output_looks_codes_up_where_words_align(variant):
     whose byte strides are multiples of 4, and not otherwise (a misaligned torch tensor, a
     cache view 2 bytes into its rows); both compile."""
     args, arrays, plan = _nvfp4_dequant(variant)
-    assert plan.constexprs["LOOKUP"]
+    assert plan.constexprs["TILE"].LOOKUP
     sign_select = "0x9D8C"   # a prmt selector of the lookup's (fp8kv.ops.codec)
     assert sign_select in compile_for_hopper(ops._dequantize_nvfp4_kernel, arrays, plan).asm["ptx"]
     pages = ArrayInfo.contiguous(dequantized_shape(args, False), "float8_e4m3fn", "cuda:0")
     off = plan_dequantize(args, pages, pages, CUDA, None, aligned=False)
-    assert not off.constexprs["LOOKUP"]
+    assert not off.constexprs["TILE"].LOOKUP
     assert sign_select not in compile_for_hopper(ops._dequantize_nvfp4_kernel, arrays,
                                                  off).asm["ptx"]
     kc = args.key_cache
     shifted = replace(args, key_cache=replace(kc, stride_head=kc.stride_head + 2))
-    assert not plan_dequantize(shifted, pages, pages, CUDA).constexprs["LOOKUP"]
+    assert not plan_dequantize(shifted, pages, pages, CUDA).constexprs["TILE"].LOOKUP
 
 
 # Stacked caches (layer=): a host layer (a scalar) or a device one (loaded); each kernel offsets
@@ -623,7 +624,7 @@ def _stacked_args(where, scales, layers=4):
 def test_stacked_kernels_compile_for_sm90_with_16_byte_accesses(where, scales, int_divisibility):
     args, dargs = _stacked_args(where, scales)
     plan = plan_write(args, CUDA)
-    assert plan.constexprs["NUM_LAYERS"] == 4
+    assert plan.constexprs["CACHE"].NUM_LAYERS == 4
     assert plan.scalars["layer"] == {"host": 2, "host-1": 1}.get(where, 0)
     found = ptx_ops(compile_for_hopper(
         ops._write_kv_kernel, write_arrays(args, "bfloat16", "float8_e4m3fn", "int32", "float32"),

@@ -88,7 +88,7 @@ def test_rows_split_over_programs(split_rows, case, device):
                                        "key_scale", "value_scale")),
                            layout=case.api_layout, fp8_format=case.fp8_format)
         launch = plan_write(args, backend)
-        assert launch.grid[1] > 1 and launch.constexprs["RECIPROCAL_DIV"] == division
+        assert launch.grid[1] > 1 and launch.constexprs["TILE"].RECIPROCAL_DIV == division
         got, want = run_case(case, device)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
@@ -229,7 +229,7 @@ def test_gpu_rows_past_2_31_elements(scales):
     args = check_write(*infos, *static, layout="NHD", fp8_format=None,
                        **{f"{side}_scale_cache": _launch.info(sc, side) if dynamic else None
                           for side, sc in zip(("key", "value"), scale_caches)})
-    assert plan_write(args, CUDA).constexprs["OFFSETS_64"]
+    assert plan_write(args, CUDA).constexprs["TILE"].OFFSETS_64
     write_kv(key, value, *caches, slots_t, *static, key_scale_cache=scale_caches[0],
              value_scale_cache=scale_caches[1])
     # The reference on a small cache: slot i for token i (padding stays padding).

@@ -1,24 +1,26 @@
 """The kernels' codec: fp32 <-> cache codes per format, scales, division and output rounding.
 
-Formats reach the kernels as the ``FORMAT`` constexpr (a row id of :data:`fp8kv.formats.FORMATS`)
-and scale kinds as ``*_SCALE`` / ``*_DYNAMIC`` constexprs (:class:`fp8kv.modes.ScaleKind` ids);
-every branch on them is here, by equality. A new format adds its branch to :func:`encode` and
-:func:`decode` (and its largest value to :func:`dynamic_scale`).
+A format reaches the kernels as its row's record, :class:`fp8kv.formats.Codec` (the ``FMT``
+field of :class:`fp8kv.constexprs.Cache`): :func:`encode` and :func:`decode` are written once over
+its fields (exponent and mantissa bits, bias, largest code, NaN code, infinities or not), so a new
+FP8-like format is a new row, not a new branch. Scale kinds reach them as ids
+(:class:`fp8kv.modes.ScaleKind`), compared by equality.
 
-NVFP4 (a format with block scales) has kernels of its own (``write_nvfp4``, ``dequantize_nvfp4``),
-so no ``FORMAT`` branch: its 4-bit codes depend on their block (the block scale, a sign mask) and
-come in pairs per byte, which :func:`encode` / :func:`decode`'s one-code-per-element form cannot
-say. Its helpers are at the end of this module: the block scales, the division by them, E2M1
-encoding (one implementation: fp32 arithmetic, exact on every path) and decoding, and the FP8
-output's per-block table and lookup (PTX ``prmt`` through ``tl.inline_asm_elementwise`` on the
-GPU, elementwise on int32 words, so no layout assumption; integer selection on the exact path).
+NVFP4 (a packed format: two 4-bit codes per byte, each depending on its block) has kernels of its
+own (``write_nvfp4``, ``dequantize_nvfp4``). Its helpers are at the end of this module: the block
+scales, the division by them, E2M1 encoding (one implementation: fp32 arithmetic, exact on every
+path) and decoding, and the FP8 output's per-block table and lookup (PTX ``prmt`` through
+``tl.inline_asm_elementwise`` on the GPU, elementwise on int32 words, so no layout assumption;
+integer selection on the exact path).
 
 Each conversion has two implementations selected by the ``EXACT`` constexpr:
 
-* fast  -- the hardware conversions (``cvt.rn.satfinite`` to fp8, ``cvt.rn`` to bf16/fp16);
+* fast  -- the hardware conversions of the codec's ``TRITON_DTYPE`` (``cvt.rn.satfinite`` to fp8,
+  ``cvt.rn`` to bf16/fp16);
 * exact -- integer arithmetic on the IEEE bit patterns. Triton's CPU interpreter rounds fp32->fp8
   and fp32->bf16 wrongly (docs/SPEC.md), so the interpreter runs this path; the GPU suite proves both
-  paths give the same bytes on every bf16/fp16 pattern.
+  paths give the same bytes on every bf16/fp16 pattern. A format without a hardware dtype takes
+  it on every path.
 
 Codes travel as int32 holding 0..255 (fp8) or as the output's unsigned bit pattern.
 """
@@ -29,8 +31,6 @@ from ..modes import Division, OutKind, ScaleKind
 from ._dual import jit
 
 # Every number below comes from fp8kv.formats / fp8kv.modes: kernels see them as constexpr globals.
-FMT_E4M3: tl.constexpr = tl.constexpr(formats.E4M3.id)
-FMT_E5M2: tl.constexpr = tl.constexpr(formats.E5M2.id)
 DIV_FP64: tl.constexpr = tl.constexpr(int(Division.FP64))
 SCALE_NONE: tl.constexpr = tl.constexpr(ScaleKind.NONE.id)
 SCALE_VALUE: tl.constexpr = tl.constexpr(ScaleKind.VALUE.id)
@@ -39,10 +39,6 @@ SCALE_HEAD: tl.constexpr = tl.constexpr(ScaleKind.HEAD.id)
 SCALE_TOKEN: tl.constexpr = tl.constexpr(ScaleKind.TOKEN.id)
 SCALE_TOKEN_HEAD: tl.constexpr = tl.constexpr(ScaleKind.TOKEN_HEAD.id)
 SCALE_FLOOR: tl.constexpr = tl.constexpr(formats.DYNAMIC_SCALE_FLOOR)
-E4M3_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E4M3.max_value)
-E5M2_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E5M2.max_value)
-E4M3_RCP_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E4M3.reciprocal_max)
-E5M2_RCP_MAX_VALUE: tl.constexpr = tl.constexpr(formats.E5M2.reciprocal_max)
 OUT_BFLOAT16: tl.constexpr = tl.constexpr(int(OutKind.BFLOAT16))
 OUT_FLOAT16: tl.constexpr = tl.constexpr(int(OutKind.FLOAT16))
 OUT_FLOAT32: tl.constexpr = tl.constexpr(int(OutKind.FLOAT32))
@@ -50,24 +46,9 @@ OUT_FLOAT8_E4M3FN: tl.constexpr = tl.constexpr(int(OutKind.FLOAT8_E4M3FN))
 NAN_BITS_BF16: tl.constexpr = tl.constexpr(formats.CANONICAL_NAN_BITS["bfloat16"])
 NAN_BITS_FP16: tl.constexpr = tl.constexpr(formats.CANONICAL_NAN_BITS["float16"])
 NAN_BITS_FP32: tl.constexpr = tl.constexpr(formats.CANONICAL_NAN_BITS["float32"])
-E4M3_MAN_BITS: tl.constexpr = tl.constexpr(formats.E4M3.man_bits)
-E4M3_BIAS: tl.constexpr = tl.constexpr(formats.E4M3.bias)
-E4M3_MAX_CODE: tl.constexpr = tl.constexpr(formats.E4M3.max_code)
-E4M3_NAN_MAGNITUDE: tl.constexpr = tl.constexpr(formats.E4M3.inf_magnitude)  # e4m3fn: 0x7F is NaN
-E4M3_SUBNORMAL_UNIT: tl.constexpr = tl.constexpr(formats.E4M3.subnormal_unit)
-E5M2_MAN_BITS: tl.constexpr = tl.constexpr(formats.E5M2.man_bits)
-E5M2_BIAS: tl.constexpr = tl.constexpr(formats.E5M2.bias)
-E5M2_MAX_CODE: tl.constexpr = tl.constexpr(formats.E5M2.max_code)
-E5M2_INF_MAGNITUDE: tl.constexpr = tl.constexpr(formats.E5M2.inf_magnitude)
-E5M2_SUBNORMAL_UNIT: tl.constexpr = tl.constexpr(formats.E5M2.subnormal_unit)
-E4M3_NAN_CODE: tl.constexpr = tl.constexpr(formats.E4M3.nan_code)
-E5M2_NAN_CODE: tl.constexpr = tl.constexpr(formats.E5M2.nan_code)
 _INF: tl.constexpr = tl.constexpr(float("inf"))
-# NVFP4 (docs/SPEC.md section 13): elements per block scale, the largest E2M1 value, and 2**23,
-# which added to a value in [0, 2**22) rounds it to an integer (RNE) in the low mantissa bits.
-NVFP4_BLOCK: tl.constexpr = tl.constexpr(formats.NVFP4.block_size)
-E2M1_MAX_VALUE: tl.constexpr = tl.constexpr(formats.NVFP4.max_value)
-E2M1_MAX_CODE: tl.constexpr = tl.constexpr(formats.NVFP4.max_code)
+# 2**23, which added to a value in [0, 2**22) rounds it to an integer (RNE) in the low mantissa
+# bits (E2M1 encoding).
 ROUND_TO_INT: tl.constexpr = tl.constexpr(2.0 ** 23)
 # No NaN constexpr: Triton re-checks a kernel's globals on every launch with `!=`, and NaN != NaN.
 
@@ -170,9 +151,9 @@ def divide_by_scalar(x, s1, y, f1, f2):
     a ``q0`` that small is +-0 in fp8 (with its sign), that large saturates; ``x'`` overflows only
     where ``|x / s| > 2**126`` (saturates) and loses bits in the subnormal range only where
     ``|x / s| < 2**-126`` (+-0 in fp8); s = +-0, +-inf or NaN give IEEE's inf, 0 or NaN through
-    ``y``. One code path for every scale keeps a small write's code short (an H200 measured
-    ~0.1 us per small write for an out-of-line branch to per-element ``div_rn``). The GPU suite
-    checks it against ``div_rn`` on all 2**32 fp32 inputs for a set of scales, extremes included.
+    ``y``. One code path for every scale keeps a small write's code short: an out-of-line branch
+    to per-element ``div_rn`` would sit on a small write's critical path. The GPU suite checks it
+    against ``div_rn`` on all 2**32 fp32 inputs for a set of scales, extremes included.
     """
     xs = (x * f1) * f2
     q0, q2 = reciprocal_divide(xs, s1, y)
@@ -297,20 +278,12 @@ def raw_to_fp32(raw, EXACT: tl.constexpr):
 
 
 @jit
-def encode(y, FORMAT: tl.constexpr, EXACT: tl.constexpr):
-    """The code of fp32 ``y`` in ``FORMAT`` (int32; fp8: 0..255): RNE, saturating, NaN -> the
-    format's NaN code."""
-    if FORMAT == FMT_E5M2:
-        MAN_BITS: tl.constexpr = E5M2_MAN_BITS
-        BIAS: tl.constexpr = E5M2_BIAS
-        MAX_CODE: tl.constexpr = E5M2_MAX_CODE
-        NAN_CODE: tl.constexpr = E5M2_NAN_CODE
-    else:
-        MAN_BITS: tl.constexpr = E4M3_MAN_BITS
-        BIAS: tl.constexpr = E4M3_BIAS
-        MAX_CODE: tl.constexpr = E4M3_MAX_CODE
-        NAN_CODE: tl.constexpr = E4M3_NAN_CODE
-    if EXACT:
+def encode(y, FMT: tl.constexpr, EXACT: tl.constexpr):
+    """The code of fp32 ``y`` in the format of codec ``FMT`` (int32; fp8: 0..255): RNE,
+    saturating, NaN -> the format's NaN code."""
+    if EXACT or FMT.TRITON_DTYPE is None:
+        MAN_BITS: tl.constexpr = FMT.MAN_BITS
+        BIAS: tl.constexpr = FMT.BIAS
         u = y.to(tl.int32, bitcast=True)
         a = u & 0x7FFFFFFF
         sign = (u >> 24) & 0x80
@@ -329,51 +302,40 @@ def encode(y, FORMAT: tl.constexpr, EXACT: tl.constexpr):
         round_up = (rem > half) | ((rem == half) & ((quot & 1) == 1))
         sub = quot + round_up.to(tl.int32)
         code = tl.where(a >= ((128 - BIAS) << 23), normal, sub)
-        code = tl.minimum(code, MAX_CODE)  # saturate (covers inf)
-        code = tl.where(a > 0x7F800000, NAN_CODE, code | sign)
+        code = tl.minimum(code, FMT.MAX_CODE)  # saturate (covers inf)
+        code = tl.where(a > 0x7F800000, FMT.NAN_CODE, code | sign)
     else:
-        # Triton lowers both casts to cvt.rn.satfinite (sm_90): it saturates (inf included) and
+        # Triton lowers the cast to cvt.rn.satfinite (sm_90): it saturates (inf included) and
         # gives 0x7F for NaN, which is what the spec pins -- no clamp needed. The GPU suite checks
         # this path against the exact one on every bf16/fp16 pattern and random fp32.
-        if FORMAT == FMT_E5M2:
-            code = y.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
-        else:
-            code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        code = y.to(tl.dtype(FMT.TRITON_DTYPE)).to(tl.uint8, bitcast=True).to(tl.int32)
     return code
 
 
 @jit
-def decode(code, FORMAT: tl.constexpr, EXACT: tl.constexpr):
-    """fp32 value of a ``FORMAT`` code (int32; fp8: 0..255); NaN codes give a NaN, e5m2 inf
-    gives inf."""
-    if FORMAT == FMT_E5M2:
-        MAN_BITS: tl.constexpr = E5M2_MAN_BITS
-        BIAS: tl.constexpr = E5M2_BIAS
-        SUBNORMAL_UNIT: tl.constexpr = E5M2_SUBNORMAL_UNIT
-    else:
-        MAN_BITS: tl.constexpr = E4M3_MAN_BITS
-        BIAS: tl.constexpr = E4M3_BIAS
-        SUBNORMAL_UNIT: tl.constexpr = E4M3_SUBNORMAL_UNIT
-    if EXACT:
+def decode(code, FMT: tl.constexpr, EXACT: tl.constexpr):
+    """fp32 value of a code of codec ``FMT`` (int32; fp8: 0..255); NaN codes give a NaN, an
+    infinity code (formats with infinities) gives inf."""
+    if EXACT or FMT.TRITON_DTYPE is None:
+        MAN_BITS: tl.constexpr = FMT.MAN_BITS
+        BIAS: tl.constexpr = FMT.BIAS
         mag = code & 0x7F
         exp = mag >> MAN_BITS
         man = mag & ((1 << MAN_BITS) - 1)
         normal = (((exp + (127 - BIAS)) << 23) | (man << (23 - MAN_BITS))).to(tl.float32, bitcast=True)
-        value = tl.where(exp == 0, man.to(tl.float32) * SUBNORMAL_UNIT, normal)
+        value = tl.where(exp == 0, man.to(tl.float32) * FMT.SUBNORMAL_UNIT, normal)
         quiet_nan = (mag | 0x7FC00000).to(tl.float32, bitcast=True)
-        if FORMAT == FMT_E5M2:
-            value = tl.where(mag == E5M2_INF_MAGNITUDE, _INF, value)
-            value = tl.where(mag > E5M2_INF_MAGNITUDE, quiet_nan, value)
-        else:
-            value = tl.where(mag == E4M3_NAN_MAGNITUDE, quiet_nan, value)
+        if FMT.HAS_INF:   # the all-ones exponent: inf with a zero mantissa, NaN otherwise
+            INF_MAGNITUDE: tl.constexpr = ((1 << FMT.EXP_BITS) - 1) << MAN_BITS
+            value = tl.where(mag == INF_MAGNITUDE, _INF, value)
+            value = tl.where(mag > INF_MAGNITUDE, quiet_nan, value)
+        else:             # the NaN code's magnitude alone is NaN (e4m3fn: 0x7F)
+            value = tl.where(mag == FMT.NAN_CODE, quiet_nan, value)
         # Set the sign with bits: Triton lowers -x as 0 - x, which loses -0.
         sign = (code & 0x80) << 24
         value = (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     else:
-        if FORMAT == FMT_E5M2:
-            value = code.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
-        else:
-            value = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        value = code.to(tl.uint8).to(tl.dtype(FMT.TRITON_DTYPE), bitcast=True).to(tl.float32)
     return value
 
 
@@ -413,7 +375,7 @@ def max_combine(a, b):
 
 
 @jit
-def dynamic_scale(amax, FORMAT: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr):
+def dynamic_scale(amax, FMT: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr):
     """The dynamic dequant scale of a group: ``max(RN(amax / fmax), floor)``, then (POW2) the
     smallest power of two ``>= s``, exactly, on the fp32 bits (``inf`` stays ``inf``).
 
@@ -421,12 +383,8 @@ def dynamic_scale(amax, FORMAT: tl.constexpr, POW2: tl.constexpr, EXACT: tl.cons
     constant ``RN(1/fmax)`` (a quotient small enough to underflow in it is far below the floor),
     the exact path with ``div_rn``. The GPU suite compares the two on every finite fp32 amax.
     """
-    if FORMAT == FMT_E5M2:
-        FMAX: tl.constexpr = E5M2_MAX_VALUE
-        RCP_FMAX: tl.constexpr = E5M2_RCP_MAX_VALUE
-    else:
-        FMAX: tl.constexpr = E4M3_MAX_VALUE
-        RCP_FMAX: tl.constexpr = E4M3_RCP_MAX_VALUE
+    FMAX: tl.constexpr = FMT.MAX_VALUE
+    RCP_FMAX: tl.constexpr = FMT.RCP_MAX_VALUE
     if EXACT:
         s = tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32))
     else:
@@ -446,13 +404,15 @@ def dynamic_scale(amax, FORMAT: tl.constexpr, POW2: tl.constexpr, EXACT: tl.cons
 # NVFP4 (docs/SPEC.md section 13): E2M1 codes, one e4m3 scale per block of 16, a global scale.
 
 @jit
-def nvfp4_block_scales(amax, g, EXACT: tl.constexpr):
-    """``(sf, d)`` of each block: ``sf`` the e4m3 code (int32 0..255) of ``amax / (6 g)`` and
-    ``d = e4m3_value(sf) * g``, its dequant scale. ``g``: the global scale, broadcastable to
-    ``amax``. Every step is one IEEE fp32 operation (``div_rn``; the fp32 products round once)."""
-    six_g = tl.broadcast_to(g * E2M1_MAX_VALUE, amax.shape)
-    sf = encode(tl.math.div_rn(amax, six_g), FMT_E4M3, EXACT)
-    return sf, decode(sf, FMT_E4M3, EXACT) * g
+def nvfp4_block_scales(amax, g, FMT: tl.constexpr, EXACT: tl.constexpr):
+    """``(sf, d)`` of each block: ``sf`` the code (int32 0..255) in ``FMT``'s block-scale codec
+    (e4m3) of ``amax / (6 g)`` -- 6 the largest E2M1 value -- and ``d = sf's value * g``, its
+    dequant scale. ``g``: the global scale, broadcastable to ``amax``. Every step is one IEEE
+    fp32 operation (``div_rn``; the fp32 products round once)."""
+    SF: tl.constexpr = FMT.BLOCK_SCALE
+    six_g = tl.broadcast_to(g * FMT.MAX_VALUE, amax.shape)
+    sf = encode(tl.math.div_rn(amax, six_g), SF, EXACT)
+    return sf, decode(sf, SF, EXACT) * g
 
 
 @jit
@@ -504,7 +464,7 @@ def nvfp4_sign_mask(d):
 
 
 @jit
-def encode_e2m1(q, sign_mask):
+def encode_e2m1(q, sign_mask, FMT: tl.constexpr):
     """4-bit E2M1 codes (bits 0-3 of an int32; bits 4-23 zero, the higher ones not) of
     quotients ``q`` (NaN-free, or the fast path's canonical NaN): the magnitude is ``|q|`` rounded to the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6, ties to
     the even code, saturating at 6; the sign bit is ``q``'s, kept where ``sign_mask`` is 8.
@@ -519,7 +479,7 @@ def encode_e2m1(q, sign_mask):
     a = tl.maximum(tl.abs(q), 0.0)   # max.f32 turns the canonical NaN into 0
     m = tl.minimum(tl.minimum(tl.math.fma(a, 2.0, ROUND_TO_INT), a + (ROUND_TO_INT + 2.0)),
                    tl.minimum(tl.math.fma(a, 0.5, ROUND_TO_INT + 4.0),
-                              ROUND_TO_INT + E2M1_MAX_CODE))
+                              ROUND_TO_INT + FMT.MAX_CODE))
     sign = (q.to(tl.int32, bitcast=True) >> 28) & sign_mask
     # m's bits are 0x4B000000 + the code: bits 4-23 are zero, so callers that keep the low
     # nibble (pack codes into bytes) need not clear the high ones.
@@ -576,19 +536,17 @@ def divide_by_out_scale(x, s, divisor, EXACT: tl.constexpr, RECIPROCAL: tl.const
 
 
 @jit
-def encode_bytes(y, FORMAT: tl.constexpr, EXACT: tl.constexpr):
+def encode_bytes(y, FMT: tl.constexpr, EXACT: tl.constexpr):
     """:func:`encode` as uint8 bytes (FP8 formats): on the fast path straight from the hardware
     conversion, without :func:`encode`'s int32 codes (which a store of bytes would repack)."""
-    if EXACT:
-        code = encode(y, FORMAT, EXACT).to(tl.uint8)
-    elif FORMAT == FMT_E5M2:
-        code = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    if EXACT or FMT.TRITON_DTYPE is None:
+        code = encode(y, FMT, EXACT).to(tl.uint8)
     else:
-        code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        code = y.to(tl.dtype(FMT.TRITON_DTYPE)).to(tl.uint8, bitcast=True)
     return code
 
 
-# The GPU's lookup (nvfp4_e4m3_lookup): one word of 8 codes ($2, low nibble first) and its
+# The GPU's lookup (nvfp4_fp8_lookup): one word of 8 codes ($2, low nibble first) and its
 # block's table ($3, $4: e4m3 bytes of codes 0..3 and 4..7; $5, $6: of codes 8..11 and 12..15)
 # -> the codes' 8 bytes in memory order ($0: codes 0..3, $1: codes 4..7). prmt.b32 d, a, b, s
 # gives byte i of d from byte s[4i+2:4i] of {b, a} -- a 3-bit index, so 8 entries per lookup,
@@ -596,7 +554,7 @@ def encode_bytes(y, FORMAT: tl.constexpr, EXACT: tl.constexpr):
 # codes: their bytes in the positive table and in the negative one, their sign bits as
 # 0xFF/0x00 bytes (from the msbs of the word's bytes, the odd codes' signs, and of the word
 # << 4's, the even codes'), then lop3 0xD8 = sign ? negative : positive.
-_E4M3_LOOKUP_PTX: tl.constexpr = tl.constexpr("""{
+_BYTE_LOOKUP_PTX: tl.constexpr = tl.constexpr("""{
 .reg .b32 s, h, w4, e, n, m;
 and.b32 s, $2, 0x77777777;
 shr.b32 h, s, 16;
@@ -615,7 +573,7 @@ lop3.b32 $1, e, n, m, 0xD8;
 # Four fp32 values -> their e4m3 bytes as one int32 word (first value in the low byte): two
 # cvt.rn.satfinite.e4m3x2.f32 (the conversion Triton emits for .to(tl.float8e4nv); its d takes
 # the first source in the high byte) and one move of the halves.
-_E4M3_WORD_PTX: tl.constexpr = tl.constexpr("""{
+_CVT_WORD_PTX: tl.constexpr = tl.constexpr("""{
 .reg .b16 lo, hi;
 cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
 cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
@@ -624,13 +582,15 @@ mov.b32 $0, {lo, hi};
 
 
 @jit
-def e4m3_word(a, b, c, d, EXACT: tl.constexpr):
-    """The e4m3 codes (:func:`encode`) of ``a, b, c, d`` packed in an int32, ``a`` lowest."""
+def fp8_word(a, b, c, d, FMT: tl.constexpr, EXACT: tl.constexpr):
+    """The codes (:func:`encode`) of ``a, b, c, d`` in codec ``FMT`` (e4m3, whose hardware
+    conversion the fast path packs four at a time) in an int32, ``a`` lowest."""
     if EXACT:
-        word = (encode(a, FMT_E4M3, EXACT) | (encode(b, FMT_E4M3, EXACT) << 8)
-                | (encode(c, FMT_E4M3, EXACT) << 16) | (encode(d, FMT_E4M3, EXACT) << 24))
+        word = (encode(a, FMT, EXACT) | (encode(b, FMT, EXACT) << 8)
+                | (encode(c, FMT, EXACT) << 16) | (encode(d, FMT, EXACT) << 24))
     else:
-        word = tl.inline_asm_elementwise(_E4M3_WORD_PTX, "=r,f,f,f,f", [a, b, c, d],
+        tl.static_assert(FMT.TRITON_DTYPE == "fp8e4nv", "the packed conversion is e4m3's")
+        word = tl.inline_asm_elementwise(_CVT_WORD_PTX, "=r,f,f,f,f", [a, b, c, d],
                                          dtype=tl.int32, is_pure=True, pack=1)
     return word
 
@@ -638,37 +598,39 @@ def e4m3_word(a, b, c, d, EXACT: tl.constexpr):
 @jit
 def _nvfp4_table_word(sv, g, out_scale, out_reciprocal, E0: tl.constexpr, E1: tl.constexpr,
                       E2: tl.constexpr, E3: tl.constexpr, SCALED: tl.constexpr,
-                      OUT_SCALE: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
-    """The e4m3 bytes of E2M1 magnitudes ``E0..E3`` of each block (:func:`nvfp4_e4m3_table`) in
-    an int32, ``E0``'s lowest (:func:`_nvfp4_table_value` each)."""
-    v0 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E0, SCALED, OUT_SCALE, EXACT,
+                      OUT: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """The bytes of E2M1 magnitudes ``E0..E3`` of each block (:func:`nvfp4_fp8_table`) in an
+    int32, ``E0``'s lowest (:func:`_nvfp4_table_value` each)."""
+    v0 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E0, SCALED, OUT.SCALE, EXACT,
                             RECIPROCAL)
-    v1 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E1, SCALED, OUT_SCALE, EXACT,
+    v1 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E1, SCALED, OUT.SCALE, EXACT,
                             RECIPROCAL)
-    v2 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E2, SCALED, OUT_SCALE, EXACT,
+    v2 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E2, SCALED, OUT.SCALE, EXACT,
                             RECIPROCAL)
-    v3 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E3, SCALED, OUT_SCALE, EXACT,
+    v3 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E3, SCALED, OUT.SCALE, EXACT,
                             RECIPROCAL)
-    return e4m3_word(v0, v1, v2, v3, EXACT)
+    FMT: tl.constexpr = OUT.FMT
+    return fp8_word(v0, v1, v2, v3, FMT, EXACT)
 
 
 @jit
 def _nvfp4_scaled_words(sv, g, out_scale, out_reciprocal, SCALED: tl.constexpr,
-                        OUT_SCALE: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
-    """:func:`nvfp4_e4m3_table`'s two words from three quotients per block: magnitudes 0.5, 1,
+                        OUT: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """:func:`nvfp4_fp8_table`'s two words from three quotients per block: magnitudes 0.5, 1,
     2, 4 are powers of two times 1 and 3, 6 twice and four times 1.5, and a product or quotient
     by a power of two is exact in fp32's normal range. Outside it the bytes agree too: a
     quotient below 2**-125 is +-0 in e4m3 however it is scaled, one past fp32's range saturates
     (448) as the scaled one does; the caller makes sure that no ``RN(sv * g)`` is subnormal or
     overflows."""
-    q0 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 0.0, SCALED, OUT_SCALE, EXACT,
+    q0 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 0.0, SCALED, OUT.SCALE, EXACT,
                             RECIPROCAL)
-    q1 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 1.0, SCALED, OUT_SCALE, EXACT,
+    q1 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 1.0, SCALED, OUT.SCALE, EXACT,
                             RECIPROCAL)
-    q3 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 1.5, SCALED, OUT_SCALE, EXACT,
+    q3 = _nvfp4_table_value(sv, g, out_scale, out_reciprocal, 1.5, SCALED, OUT.SCALE, EXACT,
                             RECIPROCAL)
-    return (e4m3_word(q0, q1 * 0.5, q1, q3, EXACT),
-            e4m3_word(q1 * 2.0, q3 * 2.0, q1 * 4.0, q3 * 4.0, EXACT))
+    FMT: tl.constexpr = OUT.FMT
+    return (fp8_word(q0, q1 * 0.5, q1, q3, FMT, EXACT),
+            fp8_word(q1 * 2.0, q3 * 2.0, q1 * 4.0, q3 * 4.0, FMT, EXACT))
 
 
 @jit
@@ -685,19 +647,19 @@ def _nvfp4_table_value(sv, g, out_scale, out_reciprocal, E2M1: tl.constexpr,
 
 
 @jit
-def nvfp4_e4m3_table(sv, g, out_scale, out_reciprocal, SCALED: tl.constexpr,
-                     OUT_SCALE: tl.constexpr, EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
-    """Per block (``sv``: its e4m3 value; ``g`` broadcastable), the e4m3 bytes that its 16 codes
-    dequantize to, as four int32 words (bytes of codes 0..3, 4..7, 8..11, 12..15): the
-    per-element rule -- ``(e2m1 * sv) * g`` (``SCALED``; :func:`nvfp4_values`), divided by
-    ``out_scale`` (unless ``OUT_SCALE`` is none; :func:`divide`), RNE with saturation -- once per
-    block for the eight magnitudes: three quotients scaled by powers of two
-    (:func:`_nvfp4_scaled_words`) where every block's ``RN(sv * g)`` is 0 as ``sv`` or ``g``
-    is, NaN, infinite as ``g`` is, or normal up to ``2**125``; else (subnormal or overflowing
-    products, a program at a time) eight quotients. A negative code's byte is its magnitude's
-    with the sign bit flipped, except NaN's 0x7F: the products, the division and the rounding
-    are odd functions, and every NaN is written 0x7F. ``e2m1 * sv`` is exact (6 significant
-    bits)."""
+def nvfp4_fp8_table(sv, g, out_scale, out_reciprocal, SCALED: tl.constexpr, OUT: tl.constexpr,
+                    EXACT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """Per block (``sv``: its block scale's value; ``g`` broadcastable), the bytes in the FP8
+    output's codec (``OUT.FMT``, e4m3) that its 16 codes dequantize to, as four int32 words
+    (bytes of codes 0..3, 4..7, 8..11, 12..15): the per-element rule -- ``(e2m1 * sv) * g``
+    (``SCALED``; :func:`nvfp4_values`), divided by ``out_scale`` (unless ``OUT.SCALE`` is none;
+    :func:`divide`), RNE with saturation -- once per block for the eight magnitudes: three
+    quotients scaled by powers of two (:func:`_nvfp4_scaled_words`) where every block's
+    ``RN(sv * g)`` is 0 as ``sv`` or ``g`` is, NaN, infinite as ``g`` is, or normal up to
+    ``2**125``; else (subnormal or overflowing products, a program at a time) eight quotients. A
+    negative code's byte is its magnitude's with the sign bit flipped, except NaN's 0x7F: the
+    products, the division and the rounding are odd functions, and every NaN is written 0x7F.
+    ``e2m1 * sv`` is exact (6 significant bits)."""
     if SCALED:
         gb = tl.abs(tl.broadcast_to(g, sv.shape))
         p = tl.abs(sv * g)
@@ -708,13 +670,13 @@ def nvfp4_e4m3_table(sv, g, out_scale, out_reciprocal, SCALED: tl.constexpr,
     else:
         scaled = True   # sv alone: an e4m3 value, 0 or NaN
     if scaled:
-        low, high = _nvfp4_scaled_words(sv, g, out_scale, out_reciprocal, SCALED, OUT_SCALE,
-                                        EXACT, RECIPROCAL)
+        low, high = _nvfp4_scaled_words(sv, g, out_scale, out_reciprocal, SCALED, OUT, EXACT,
+                                        RECIPROCAL)
     else:
         low = _nvfp4_table_word(sv, g, out_scale, out_reciprocal, 0.0, 0.5, 1.0, 1.5, SCALED,
-                                OUT_SCALE, EXACT, RECIPROCAL)
+                                OUT, EXACT, RECIPROCAL)
         high = _nvfp4_table_word(sv, g, out_scale, out_reciprocal, 2.0, 3.0, 4.0, 6.0, SCALED,
-                                 OUT_SCALE, EXACT, RECIPROCAL)
+                                 OUT, EXACT, RECIPROCAL)
     # A byte of 0x7F carries into bit 7 when 1 is added to its low seven bits: NaN, no sign.
     low_nan = ((low & 0x7F7F7F7F) + 0x01010101) & -0x7F7F7F80     # int32 0x80808080
     high_nan = ((high & 0x7F7F7F7F) + 0x01010101) & -0x7F7F7F80
@@ -722,10 +684,10 @@ def nvfp4_e4m3_table(sv, g, out_scale, out_reciprocal, SCALED: tl.constexpr,
 
 
 @jit
-def nvfp4_e4m3_lookup(codes, low, high, neg_low, neg_high, EXACT: tl.constexpr):
-    """The e4m3 bytes of ``codes`` (int32 words of 8 codes, low nibble first) from their
-    block's table (:func:`nvfp4_e4m3_table`, broadcastable): ``(first, second)``, the words of
-    codes 0..3 and 4..7. The GPU looks four codes up per ``prmt`` (:data:`_E4M3_LOOKUP_PTX`);
+def nvfp4_fp8_lookup(codes, low, high, neg_low, neg_high, EXACT: tl.constexpr):
+    """The FP8 bytes of ``codes`` (int32 words of 8 codes, low nibble first) from their
+    block's table (:func:`nvfp4_fp8_table`, broadcastable): ``(first, second)``, the words of
+    codes 0..3 and 4..7. The GPU looks four codes up per ``prmt`` (:data:`_BYTE_LOOKUP_PTX`);
     the exact path selects each code's byte with integer arithmetic."""
     if EXACT:
         first = tl.full(codes.shape, 0, tl.int32)
@@ -740,6 +702,6 @@ def nvfp4_e4m3_lookup(codes, low, high, neg_low, neg_high, EXACT: tl.constexpr):
                 second = second | (byte << (8 * (i - 4)))
     else:
         first, second = tl.inline_asm_elementwise(
-            _E4M3_LOOKUP_PTX, "=r,=r,r,r,r,r,r", [codes, low, high, neg_low, neg_high],
+            _BYTE_LOOKUP_PTX, "=r,=r,r,r,r,r,r", [codes, low, high, neg_low, neg_high],
             dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
     return first, second

@@ -2,7 +2,7 @@
 
 Grid: ``(cdiv(num_tokens, BLOCK_T),)``. A program owns ``BLOCK_T`` tokens. Per side it loads their
 whole rows as four ``[BLOCK_T, BLOCK_H, BLOCK_D / 32, 8]`` pieces (:func:`_load_piece`: groups of
-two blocks of 16, held whole by one thread; with ``BLOCKWISE``, for small batches, as
+two blocks of 16, held whole by one thread; with ``TILE.BLOCKWISE``, for small batches, as
 ``[BLOCK_T, BLOCK_H, BLOCK_D / 16, 16]`` blocks over two threads each, :func:`_load_blocks`),
 reduces each block to its amax, computes the block's
 e4m3 scale and dequant scale ``d`` (:func:`codec.nvfp4_block_scales`), rounds ``x / d`` to E2M1
@@ -19,19 +19,20 @@ written through ``*_block_out_ptr``), so the operands differ; codes are packed t
 every cache offset and width differs; and the FP8 kernel, tuned on its own, keeps its code.
 
 Parameters follow jax-triton's order (input arrays, scalars, outputs, constexprs) and are bound
-by name (:mod:`fp8kv.binding`); strides are constexprs (``STRIDE_<array>_<dim>``, in bytes for the
-uint8 caches and block scales). ``BLOCK_D`` (a power of two, at least 32) covers ``HEAD_DIM``. A
-combined ``[num_pages, 2, ...]`` cache is passed as both caches, V ``VALUE_CACHE_OFFSET`` bytes
-in, written through the K output with ``SHARED_OUT``. Offsets are int32, or int64
-(``OFFSETS_64``) where an array reaches past 2**31 elements.
+by name (:mod:`fp8kv.binding`); the layout is in the records ``CACHE``, ``ROWS`` and ``TILE``
+(:mod:`fp8kv.constexprs`; strides in bytes for the uint8 caches and block scales).
+``TILE.BLOCK_D`` (a power of two, at least 32) covers ``HEAD_DIM``. A combined
+``[num_pages, 2, ...]`` cache is passed as both caches, V its strides' ``OFFSET`` bytes in,
+written through the K output (``CACHE.COMBINED``). Offsets are int32, or int64
+(``TILE.OFFSETS_64``) where an array reaches past 2**31 elements.
 """
 import triton.language as tl
 
 from ._dual import jit
-from .codec import (NVFP4_BLOCK, SCALE_HEAD, block_reciprocal, divide_by_block_scale,
-                    encode_e2m1, load_raw, load_scale, max_combine, nvfp4_block_scales,
-                    nvfp4_sign_mask, raw_to_fp32, scalar_scale)
-from .slots import cache_bytes, token_rows
+from .addressing import cache_bytes, slot_rows, token_slots
+from .codec import (SCALE_HEAD, block_reciprocal, divide_by_block_scale, encode_e2m1, load_raw,
+                    load_scale, max_combine, nvfp4_block_scales, nvfp4_sign_mask, raw_to_fp32,
+                    scalar_scale)
 
 
 # A program's tiles are [BLOCK_T, BLOCK_H, BLOCK_D / GROUP, PIECE] pieces: piece p of group g of a
@@ -73,28 +74,23 @@ def _load_columns(x_ptr, row, in_range, col, STRIDE_HEAD: tl.constexpr, NUM_HEAD
 
 @jit
 def _load_piece(x_ptr, row, in_range, piece: tl.constexpr, STRIDE_HEAD: tl.constexpr,
-                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_D: tl.constexpr, EXACT: tl.constexpr):
+                CACHE: tl.constexpr, TILE: tl.constexpr, EXACT: tl.constexpr):
     """Piece ``piece`` of every group of the tokens' rows: ``[BLOCK_T, BLOCK_H, BLOCK_D / GROUP,
     PIECE]`` (:func:`_load_columns`)."""
-    col = (tl.arange(0, BLOCK_D // GROUP) * GROUP)[:, None] + (piece * PIECE + tl.arange(0, PIECE))
-    return _load_columns(x_ptr, row, in_range, col, STRIDE_HEAD, NUM_HEADS, HEAD_DIM, BLOCK_H,
-                         EXACT)
+    col = ((tl.arange(0, TILE.BLOCK_D // GROUP) * GROUP)[:, None]
+           + (piece * PIECE + tl.arange(0, PIECE)))
+    return _load_columns(x_ptr, row, in_range, col, STRIDE_HEAD, CACHE.NUM_HEADS, CACHE.HEAD_DIM,
+                         TILE.BLOCK_H, EXACT)
 
 
 @jit
-def _load_pieces(x_ptr, row, in_range, STRIDE_HEAD: tl.constexpr, NUM_HEADS: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                 EXACT: tl.constexpr):
+def _load_pieces(x_ptr, row, in_range, STRIDE_HEAD: tl.constexpr, CACHE: tl.constexpr,
+                 TILE: tl.constexpr, EXACT: tl.constexpr):
     """The four pieces of one side's rows (:func:`_load_piece`), all loads in flight at once."""
-    return (_load_piece(x_ptr, row, in_range, 0, STRIDE_HEAD, NUM_HEADS, HEAD_DIM, BLOCK_H,
-                        BLOCK_D, EXACT),
-            _load_piece(x_ptr, row, in_range, 1, STRIDE_HEAD, NUM_HEADS, HEAD_DIM, BLOCK_H,
-                        BLOCK_D, EXACT),
-            _load_piece(x_ptr, row, in_range, 2, STRIDE_HEAD, NUM_HEADS, HEAD_DIM, BLOCK_H,
-                        BLOCK_D, EXACT),
-            _load_piece(x_ptr, row, in_range, 3, STRIDE_HEAD, NUM_HEADS, HEAD_DIM, BLOCK_H,
-                        BLOCK_D, EXACT))
+    return (_load_piece(x_ptr, row, in_range, 0, STRIDE_HEAD, CACHE, TILE, EXACT),
+            _load_piece(x_ptr, row, in_range, 1, STRIDE_HEAD, CACHE, TILE, EXACT),
+            _load_piece(x_ptr, row, in_range, 2, STRIDE_HEAD, CACHE, TILE, EXACT),
+            _load_piece(x_ptr, row, in_range, 3, STRIDE_HEAD, CACHE, TILE, EXACT))
 
 
 @jit
@@ -122,89 +118,96 @@ def _block_amax(x0, x1, EXACT: tl.constexpr):
 
 
 @jit
-def _piece_bytes(x, d, y, fast, sign_mask, EXACT: tl.constexpr):
+def _piece_bytes(x, d, y, fast, sign_mask, FMT: tl.constexpr, EXACT: tl.constexpr):
     """The ``PIECE / 2`` bytes of a piece's codes (element 2i in the low nibble)."""
-    codes = encode_e2m1(divide_by_block_scale(x, d, y, fast, EXACT), sign_mask)
+    codes = encode_e2m1(divide_by_block_scale(x, d, y, fast, EXACT), sign_mask, FMT)
     lo, hi = tl.split(tl.reshape(codes, (x.shape[0], x.shape[1], x.shape[2], PIECE // 2, 2)))
     return (lo | (hi << 4)).to(tl.uint8)
 
 
 @jit
-def _write_side(r0, r1, r2, r3, g, dst, row, block_dst, block_row, keep,
-                STRIDE_CACHE_HEAD: tl.constexpr, STRIDE_BLOCK_HEAD: tl.constexpr,
-                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_D: tl.constexpr, EXACT: tl.constexpr):
-    """Quantize one side's pieces ``r0..r3`` (:func:`_load_piece`) with global scale ``g`` and
-    store their codes (at ``dst + row``: each token's cache row) and block scales
-    (``block_dst + block_row``)."""
+def _write_side(pieces, g, dst, row, block_dst, block_row, keep, SIDE: tl.constexpr,
+                CACHE: tl.constexpr, TILE: tl.constexpr, EXACT: tl.constexpr):
+    """Quantize one side's pieces (:func:`_load_pieces`) with global scale ``g`` and store their
+    codes (at ``dst + row``: each token's cache row) and block scales (``block_dst +
+    block_row``)."""
+    FMT: tl.constexpr = CACHE.FMT
+    BLOCK_H: tl.constexpr = TILE.BLOCK_H
+    BLOCK_D: tl.constexpr = TILE.BLOCK_D
+    HEAD_DIM: tl.constexpr = CACHE.HEAD_DIM
+    r0, r1, r2, r3 = pieces
     x0, x1 = raw_to_fp32(r0, EXACT), raw_to_fp32(r1, EXACT)
     x2, x3 = raw_to_fp32(r2, EXACT), raw_to_fp32(r3, EXACT)
     amax0, amax1 = _block_amax(x0, x1, EXACT), _block_amax(x2, x3, EXACT)   # [T, H, groups]
-    sf0, d0 = nvfp4_block_scales(amax0, g, EXACT)   # g = 1.0 without a global scale: exact
-    sf1, d1 = nvfp4_block_scales(amax1, g, EXACT)
+    sf0, d0 = nvfp4_block_scales(amax0, g, FMT, EXACT)   # g = 1.0 without a global scale: exact
+    sf1, d1 = nvfp4_block_scales(amax1, g, FMT, EXACT)
     fast0, y0 = block_reciprocal(d0, amax0, EXACT)
     fast1, y1 = block_reciprocal(d1, amax1, EXACT)
     fast = fast0 * fast1
     d0, y0, m0 = d0[:, :, :, None], y0[:, :, :, None], nvfp4_sign_mask(d0)[:, :, :, None]
     d1, y1, m1 = d1[:, :, :, None], y1[:, :, :, None], nvfp4_sign_mask(d1)[:, :, :, None]
     # A group's 16 bytes in order: pieces 0..3, each PIECE / 2 bytes.
-    b01 = tl.join(_piece_bytes(x0, d0, y0, fast, m0, EXACT), _piece_bytes(x1, d0, y0, fast, m0, EXACT))
-    b23 = tl.join(_piece_bytes(x2, d1, y1, fast, m1, EXACT), _piece_bytes(x3, d1, y1, fast, m1, EXACT))
+    b01 = tl.join(_piece_bytes(x0, d0, y0, fast, m0, FMT, EXACT),
+                  _piece_bytes(x1, d0, y0, fast, m0, FMT, EXACT))
+    b23 = tl.join(_piece_bytes(x2, d1, y1, fast, m1, FMT, EXACT),
+                  _piece_bytes(x3, d1, y1, fast, m1, FMT, EXACT))
     packed = tl.reshape(tl.permute(tl.join(b01, b23), (0, 1, 2, 5, 4, 3)),
                         (r0.shape[0], BLOCK_H, BLOCK_D // GROUP, GROUP // 2))
     h = tl.arange(0, BLOCK_H)
-    h_mask = keep[:, None, None, None] & (h < NUM_HEADS)[None, :, None, None]
+    h_mask = keep[:, None, None, None] & (h < CACHE.NUM_HEADS)[None, :, None, None]
     j = (tl.arange(0, BLOCK_D // GROUP) * (GROUP // 2))[:, None] + tl.arange(0, GROUP // 2)
-    tl.store(dst + (row[:, None, None, None] + (h * STRIDE_CACHE_HEAD)[None, :, None, None]
+    tl.store(dst + (row[:, None, None, None] + (h * SIDE.CODES.HEAD)[None, :, None, None]
                     + j[None, None, :, :]),
              packed, mask=h_mask & (j < HEAD_DIM // 2)[None, None, :, :])
-    b = (tl.arange(0, BLOCK_D // GROUP) * (GROUP // NVFP4_BLOCK))[:, None] + tl.arange(0, 2)
-    tl.store(block_dst + (block_row[:, None, None, None] + (h * STRIDE_BLOCK_HEAD)[None, :, None, None]
-                          + b[None, None, :, :]),
-             tl.join(sf0, sf1).to(tl.uint8), mask=h_mask & (b < HEAD_DIM // NVFP4_BLOCK)[None, None, :, :])
+    b = (tl.arange(0, BLOCK_D // GROUP) * (GROUP // FMT.BLOCK_SIZE))[:, None] + tl.arange(0, 2)
+    tl.store(block_dst + (block_row[:, None, None, None]
+                          + (h * SIDE.SCALES.HEAD)[None, :, None, None] + b[None, None, :, :]),
+             tl.join(sf0, sf1).to(tl.uint8),
+             mask=h_mask & (b < HEAD_DIM // FMT.BLOCK_SIZE)[None, None, :, :])
 
 
 @jit
-def _load_blocks(x_ptr, row, in_range, STRIDE_HEAD: tl.constexpr, NUM_HEADS: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                 EXACT: tl.constexpr):
+def _load_blocks(x_ptr, row, in_range, STRIDE_HEAD: tl.constexpr, CACHE: tl.constexpr,
+                 TILE: tl.constexpr, EXACT: tl.constexpr):
     """The tokens' whole rows as ``[BLOCK_T, BLOCK_H, BLOCK_D / 16, 16]`` blocks
     (:func:`_load_columns`): the ``BLOCKWISE`` layout, where two threads share a block (8
     elements, 16 bytes each)."""
-    col = (tl.arange(0, BLOCK_D // NVFP4_BLOCK) * NVFP4_BLOCK)[:, None] + tl.arange(0, NVFP4_BLOCK)
-    return _load_columns(x_ptr, row, in_range, col, STRIDE_HEAD, NUM_HEADS, HEAD_DIM, BLOCK_H,
-                         EXACT)
+    BLOCK: tl.constexpr = CACHE.FMT.BLOCK_SIZE
+    col = (tl.arange(0, TILE.BLOCK_D // BLOCK) * BLOCK)[:, None] + tl.arange(0, BLOCK)
+    return _load_columns(x_ptr, row, in_range, col, STRIDE_HEAD, CACHE.NUM_HEADS, CACHE.HEAD_DIM,
+                         TILE.BLOCK_H, EXACT)
 
 
 @jit
-def _write_blocks(raw, g, dst, row, block_dst, block_row, keep, STRIDE_CACHE_HEAD: tl.constexpr,
-                  STRIDE_BLOCK_HEAD: tl.constexpr, NUM_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                  EXACT: tl.constexpr):
+def _write_blocks(raw, g, dst, row, block_dst, block_row, keep, SIDE: tl.constexpr,
+                  CACHE: tl.constexpr, TILE: tl.constexpr, EXACT: tl.constexpr):
     """:func:`_write_side` for ``BLOCKWISE`` tiles (:func:`_load_blocks`): the amax of a block
     is a reduction over its two threads, and each thread divides, encodes and stores its 8
     elements (4 bytes of codes) -- a quarter of a group's work per thread, for batches too small
     to fill the GPU, where a thread's chain of work is the latency."""
+    FMT: tl.constexpr = CACHE.FMT
+    BLOCK: tl.constexpr = FMT.BLOCK_SIZE
+    BLOCK_H: tl.constexpr = TILE.BLOCK_H
+    BLOCK_D: tl.constexpr = TILE.BLOCK_D
+    HEAD_DIM: tl.constexpr = CACHE.HEAD_DIM
     x = raw_to_fp32(raw, EXACT)
     amax = _amax_over_last(_magnitudes(x, EXACT))
-    sf, d = nvfp4_block_scales(amax, g, EXACT)
+    sf, d = nvfp4_block_scales(amax, g, FMT, EXACT)
     fast, y = block_reciprocal(d, amax, EXACT)
     codes = encode_e2m1(divide_by_block_scale(x, d[:, :, :, None], y[:, :, :, None], fast, EXACT),
-                        nvfp4_sign_mask(d)[:, :, :, None])
-    lo, hi = tl.split(tl.reshape(codes, (x.shape[0], BLOCK_H, BLOCK_D // NVFP4_BLOCK,
-                                         NVFP4_BLOCK // 2, 2)))
+                        nvfp4_sign_mask(d)[:, :, :, None], FMT)
+    lo, hi = tl.split(tl.reshape(codes, (x.shape[0], BLOCK_H, BLOCK_D // BLOCK, BLOCK // 2, 2)))
     h = tl.arange(0, BLOCK_H)
-    h_mask = keep[:, None, None] & (h < NUM_HEADS)[None, :, None]
-    j = ((tl.arange(0, BLOCK_D // NVFP4_BLOCK) * (NVFP4_BLOCK // 2))[:, None]
-         + tl.arange(0, NVFP4_BLOCK // 2))
-    tl.store(dst + (row[:, None, None, None] + (h * STRIDE_CACHE_HEAD)[None, :, None, None]
+    h_mask = keep[:, None, None] & (h < CACHE.NUM_HEADS)[None, :, None]
+    j = (tl.arange(0, BLOCK_D // BLOCK) * (BLOCK // 2))[:, None] + tl.arange(0, BLOCK // 2)
+    tl.store(dst + (row[:, None, None, None] + (h * SIDE.CODES.HEAD)[None, :, None, None]
                     + j[None, None, :, :]),
              (lo | (hi << 4)).to(tl.uint8),
              mask=h_mask[:, :, :, None] & (j < HEAD_DIM // 2)[None, None, :, :])
-    b = tl.arange(0, BLOCK_D // NVFP4_BLOCK)
-    tl.store(block_dst + (block_row[:, None, None] + (h * STRIDE_BLOCK_HEAD)[None, :, None]
+    b = tl.arange(0, BLOCK_D // BLOCK)
+    tl.store(block_dst + (block_row[:, None, None] + (h * SIDE.SCALES.HEAD)[None, :, None]
                           + b[None, None, :]),
-             sf.to(tl.uint8), mask=h_mask & (b < HEAD_DIM // NVFP4_BLOCK)[None, None, :])
+             sf.to(tl.uint8), mask=h_mask & (b < HEAD_DIM // BLOCK)[None, None, :])
 
 
 @jit(do_not_specialize=["num_tokens"])
@@ -213,69 +216,39 @@ def _write_nvfp4_kernel(
     key_block_ptr, value_block_ptr,
     num_tokens, num_slots, key_scale_value, value_scale_value,
     key_cache_out_ptr, value_cache_out_ptr, key_block_out_ptr, value_block_out_ptr,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    STRIDE_KEY_TOKEN: tl.constexpr, STRIDE_KEY_HEAD: tl.constexpr,
-    STRIDE_VALUE_TOKEN: tl.constexpr, STRIDE_VALUE_HEAD: tl.constexpr,
-    STRIDE_KC_PAGE: tl.constexpr, STRIDE_KC_SLOT: tl.constexpr, STRIDE_KC_HEAD: tl.constexpr,
-    STRIDE_VC_PAGE: tl.constexpr, STRIDE_VC_SLOT: tl.constexpr, STRIDE_VC_HEAD: tl.constexpr,
-    VALUE_CACHE_OFFSET: tl.constexpr,
-    STRIDE_KB_PAGE: tl.constexpr, STRIDE_KB_SLOT: tl.constexpr, STRIDE_KB_HEAD: tl.constexpr,
-    STRIDE_VB_PAGE: tl.constexpr, STRIDE_VB_SLOT: tl.constexpr, STRIDE_VB_HEAD: tl.constexpr,
-    K_SCALE: tl.constexpr, V_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, LOADS_FIRST: tl.constexpr, BLOCKWISE: tl.constexpr,
-    SHARED_OUT: tl.constexpr, OFFSETS_64: tl.constexpr, EXACT: tl.constexpr,
+    CACHE: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr, EXACT: tl.constexpr,
 ):
-    tok, in_range, keep, page, off = token_rows(slot_ptr, num_tokens, num_slots, BLOCK_T=BLOCK_T,
-                                                PAGE_SIZE=PAGE_SIZE, OFFSETS_64=OFFSETS_64)
-    key_dst, value_dst = cache_bytes(key_cache_out_ptr, value_cache_out_ptr, SHARED_OUT)
+    KEY: tl.constexpr = CACHE.KEY
+    VALUE: tl.constexpr = CACHE.VALUE
+    tok, in_range, keep, page, off = token_slots(slot_ptr, num_tokens, num_slots,
+                                                 BLOCK_T=TILE.BLOCK_T, PAGE_SIZE=CACHE.PAGE_SIZE,
+                                                 OFFSETS_64=TILE.OFFSETS_64)
+    key_dst, value_dst = cache_bytes(key_cache_out_ptr, value_cache_out_ptr, CACHE.COMBINED)
     # Block scales may be typed float8_e4m3fn: stored as their bytes.
     key_blocks = key_block_out_ptr.to(tl.pointer_type(tl.uint8))
     value_blocks = value_block_out_ptr.to(tl.pointer_type(tl.uint8))
     # Global scales are loaded before the rows, so that their round trip overlaps the rows'.
-    kg = _global_scale(key_scale_ptr, key_scale_value, K_SCALE, NUM_HEADS, BLOCK_H)
-    vg = _global_scale(value_scale_ptr, value_scale_value, V_SCALE, NUM_HEADS, BLOCK_H)
-    key_in = tok * STRIDE_KEY_TOKEN
-    value_in = tok * STRIDE_VALUE_TOKEN
-    key_row = page * STRIDE_KC_PAGE + off * STRIDE_KC_SLOT
-    value_row = page * STRIDE_VC_PAGE + off * STRIDE_VC_SLOT + VALUE_CACHE_OFFSET
-    if BLOCKWISE:   # small batches: blocks over two threads (both sides' loads first)
-        kx = _load_blocks(key_ptr, key_in, in_range, STRIDE_HEAD=STRIDE_KEY_HEAD,
-                          NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H,
-                          BLOCK_D=BLOCK_D, EXACT=EXACT)
-        vx = _load_blocks(value_ptr, value_in, in_range, STRIDE_HEAD=STRIDE_VALUE_HEAD,
-                          NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H,
-                          BLOCK_D=BLOCK_D, EXACT=EXACT)
-        _write_blocks(kx, kg, key_dst, key_row, key_blocks,
-                      page * STRIDE_KB_PAGE + off * STRIDE_KB_SLOT, keep,
-                      STRIDE_CACHE_HEAD=STRIDE_KC_HEAD, STRIDE_BLOCK_HEAD=STRIDE_KB_HEAD,
-                      NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                      EXACT=EXACT)
+    kg = _global_scale(key_scale_ptr, key_scale_value, KEY.STATIC, CACHE.NUM_HEADS, TILE.BLOCK_H)
+    vg = _global_scale(value_scale_ptr, value_scale_value, VALUE.STATIC, CACHE.NUM_HEADS,
+                       TILE.BLOCK_H)
+    key_in = tok * ROWS.KEY.TOKEN
+    value_in = tok * ROWS.VALUE.TOKEN
+    key_row, key_block_row = slot_rows(page, off, KEY)
+    value_row, value_block_row = slot_rows(page, off, VALUE)
+    if TILE.BLOCKWISE:   # small batches: blocks over two threads (both sides' loads first)
+        kx = _load_blocks(key_ptr, key_in, in_range, ROWS.KEY.HEAD, CACHE, TILE, EXACT)
+        vx = _load_blocks(value_ptr, value_in, in_range, ROWS.VALUE.HEAD, CACHE, TILE, EXACT)
+        _write_blocks(kx, kg, key_dst, key_row, key_blocks, key_block_row, keep,
+                      KEY, CACHE, TILE, EXACT)
         _write_blocks(vx, vg, value_dst, value_row, value_blocks,
-                      page * STRIDE_VB_PAGE + off * STRIDE_VB_SLOT, keep,
-                      STRIDE_CACHE_HEAD=STRIDE_VC_HEAD, STRIDE_BLOCK_HEAD=STRIDE_VB_HEAD,
-                      NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                      EXACT=EXACT)
+                      value_block_row, keep, VALUE, CACHE, TILE, EXACT)
     else:
-        k0, k1, k2, k3 = _load_pieces(key_ptr, key_in, in_range, STRIDE_HEAD=STRIDE_KEY_HEAD,
-                                      NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H,
-                                      BLOCK_D=BLOCK_D, EXACT=EXACT)
-        if LOADS_FIRST:
-            v0, v1, v2, v3 = _load_pieces(value_ptr, value_in, in_range,
-                                          STRIDE_HEAD=STRIDE_VALUE_HEAD, NUM_HEADS=NUM_HEADS,
-                                          HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                                          EXACT=EXACT)
-        _write_side(k0, k1, k2, k3, kg, key_dst, key_row,
-                    key_blocks, page * STRIDE_KB_PAGE + off * STRIDE_KB_SLOT, keep,
-                    STRIDE_CACHE_HEAD=STRIDE_KC_HEAD, STRIDE_BLOCK_HEAD=STRIDE_KB_HEAD,
-                    NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                    EXACT=EXACT)
-        if not LOADS_FIRST:
-            v0, v1, v2, v3 = _load_pieces(value_ptr, value_in, in_range,
-                                          STRIDE_HEAD=STRIDE_VALUE_HEAD, NUM_HEADS=NUM_HEADS,
-                                          HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                                          EXACT=EXACT)
-        _write_side(v0, v1, v2, v3, vg, value_dst, value_row, value_blocks,
-                    page * STRIDE_VB_PAGE + off * STRIDE_VB_SLOT, keep,
-                    STRIDE_CACHE_HEAD=STRIDE_VC_HEAD, STRIDE_BLOCK_HEAD=STRIDE_VB_HEAD,
-                    NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D,
-                    EXACT=EXACT)
+        kp = _load_pieces(key_ptr, key_in, in_range, ROWS.KEY.HEAD, CACHE, TILE, EXACT)
+        if TILE.LOADS_FIRST:
+            vp = _load_pieces(value_ptr, value_in, in_range, ROWS.VALUE.HEAD, CACHE, TILE, EXACT)
+        _write_side(kp, kg, key_dst, key_row, key_blocks, key_block_row, keep,
+                    KEY, CACHE, TILE, EXACT)
+        if not TILE.LOADS_FIRST:
+            vp = _load_pieces(value_ptr, value_in, in_range, ROWS.VALUE.HEAD, CACHE, TILE, EXACT)
+        _write_side(vp, vg, value_dst, value_row, value_blocks, value_block_row,
+                    keep, VALUE, CACHE, TILE, EXACT)
