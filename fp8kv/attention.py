@@ -17,11 +17,12 @@ import numpy as np
 import triton
 
 from .arrays import ArrayInfo, fmt_shape
-from .formats import FORMATS, Format
+from .constexprs import Cache, Side, Strides
+from .formats import Format
 from .layout import LAYOUTS, Layers, PagedCache
 from .modes import OUT_KIND_OF_DTYPE, LayerKind, ScaleKind, SideScale
 from .operands import Operand, OperandMap
-from .plan import CUDA, INTERPRET, LaunchPlan
+from .plan import CUDA, INTERPRET, LaunchPlan, cache_record, strides
 from . import reference, validate
 
 QUERY_DTYPES = ("bfloat16", "float16")
@@ -38,47 +39,21 @@ COLUMNS_NONE, COLUMNS_ARRAY, COLUMNS_INLINE = 0, 1, 2
 # ---------------------------------------------------------------------------------------------
 # The kernels' constexprs.
 
-class CodeFormat(NamedTuple):
-    """The fields of an FP8 format row that its exact conversion to fp16 reads."""
-
-    exp_bits: int
-    man_bits: int
-    bias: int
-    has_inf: bool
-    nan_magnitude: int
-    unit: float          # 2**(15 - bias): the magnitude's bits in fp16's field, rescaled
-
-    @classmethod
-    def of(cls, fmt: Format) -> "CodeFormat":
-        return cls(fmt.exp_bits, fmt.man_bits, fmt.bias, fmt.has_inf, fmt.inf_magnitude,
-                   2.0 ** (15 - fmt.bias))
-
-
 class Reading(NamedTuple):
-    """How one side (K or V) is read: ``kind`` (READ_*), the code format (FP8) or the block
-    scales' (NVFP4), the static scale kind (a ScaleKind id), where dynamic scales are
-    (COLUMNS_*), head_dim and its power-of-two tile width, and ``unit``, what the fp16 operand
-    is multiplied by to give the value (NVFP4: 2**8)."""
+    """How one side (K or V) is read: ``kind`` (READ_*; the codes' format is the cache's
+    ``FMT``), the static scale kind (a ScaleKind id), where dynamic scales are (COLUMNS_*),
+    whether the call has a side array for it (dynamic or block scales), head_dim and its
+    power-of-two tile width, and ``unit``, what the fp16 operand is multiplied by to give the
+    value (NVFP4: 2**8)."""
 
     kind: int
-    codes: CodeFormat | None
-    block_codes: CodeFormat | None
     scale: int
     columns: int
+    side: bool
     head_dim: int
     block_d: int
     unit: float
     plain_bf16: bool = False   # READ_PLAIN: a bf16 (else fp16) cache
-
-
-class Rows(NamedTuple):
-    """A paged array's rows, in its elements: ``offset`` (V of a combined cache) and strides."""
-
-    offset: int
-    stride_page: int
-    stride_slot: int
-    stride_head: int
-    stride_layer: int
 
 
 class QueryRows(NamedTuple):
@@ -120,25 +95,16 @@ class Options(NamedTuple):
     cap: float            # every scalar; a host float may not change per call there)
 
 
-class LayerAxis(NamedTuple):
-    kind: int
-    num_layers: int
-
-
 class Constants(NamedTuple):
     """Every constexpr of the attention kernels, as one parameter ``C``."""
 
     query: QueryRows
-    key_rows: Rows
-    value_rows: Rows
-    key_side: Rows       # the side scale arrays (dynamic scales, NVFP4 block scales)
-    value_side: Rows
+    cache: Cache         # the caches as every kernel takes them (fp8kv.constexprs)
     key_read: Reading    # (not "value": a Triton constexpr's own attribute)
     value_read: Reading
     geometry: Geometry
     tiles: Tiles
     options: Options
-    layers: LayerAxis
 
 
 # Per backend: query rows per tile, tokens per warp and step, warps; the token loop's pipelining
@@ -298,7 +264,7 @@ def check_attention(query, key_cache=None, value_cache=None, block_table=None, s
                                                          fmt=fmt)
         value_scale_cache = validate.check_scale_cache_arg(value_scale_cache,
                                                            "value_scale_cache", fmt=fmt)
-        if fmt.block_size:
+        if fmt.block_scaled:
             elems = kc.head_dim * fmt.codes_per_byte
             validate.check_block_head_dim(elems, fmt, cache_name)
             ks, vs = validate._block_side_scales(key_scale, value_scale, key_scale_cache,
@@ -314,7 +280,7 @@ def check_attention(query, key_cache=None, value_cache=None, block_table=None, s
             ks, vs = validate._side_scales(key_scale, value_scale, key_scale_cache,
                                            value_scale_cache, kc, vc, layout, rank, device,
                                            kc.num_heads)
-        if layers is not None and fmt.block_size:
+        if layers is not None and fmt.block_scaled:
             validate.check_layers_supported(layers, fmt)
     if head_dim is not None and head_dim != elems:
         raise ValueError(f"head_dim: expected that of {cache_name} ({elems}), got {head_dim}")
@@ -427,27 +393,33 @@ class AttentionPlan:
         return self.attention.empty
 
 
-def _rows(rows, layer_stride: int = 0) -> Rows:
-    """A cache's (:class:`~fp8kv.layout.PagedCache`) or side array's
-    (:class:`~fp8kv.layout.ScaleCache`, or block scales) rows; zeros for none."""
-    if rows is None:
-        return Rows(0, 0, 0, 0, 0)
-    return Rows(getattr(rows, "offset", 0), rows.stride_page, rows.stride_slot,
-                rows.stride_head, layer_stride)
+def _cache(args: AttentionArgs) -> Cache:
+    """The caches' record: :func:`fp8kv.plan.cache_record`'s, with no codec for a bf16 / fp16
+    cache (read as stored)."""
+    if args.fmt is not None:
+        return cache_record(args)
+    layers = args.layers or Layers(0, 0, 0)
+    kind = (LayerKind.NONE if args.layers is None else
+            LayerKind.TENSOR if args.layers.on_device else LayerKind.VALUE)
+    none = ScaleKind.NONE.id
+    return Cache(args.num_kv_heads, args.head_dim, args.key_cache.page_size, None,
+                 Side(strides(args.key_cache, layers.stride_key_cache), Strides(), none, none),
+                 Side(strides(args.value_cache, layers.stride_value_cache), Strides(), none,
+                      none),
+                 COMBINED=args.combined, LAYER_KIND=kind.id, NUM_LAYERS=layers.num_layers)
 
 
 def _reading(args: AttentionArgs, side: SideScale, head_dim: int) -> Reading:
     block_d = triton.next_power_of_2(head_dim)
     fmt = args.fmt
     if fmt is None:
-        return Reading(READ_PLAIN, None, None, ScaleKind.NONE.id, COLUMNS_NONE, head_dim,
-                       block_d, 1.0, args.query.dtype == "bfloat16")
-    if fmt.block_size:
-        return Reading(READ_NVFP4, None, CodeFormat.of(FORMATS[fmt.block_scale]),
-                       side.kind.id, COLUMNS_NONE, head_dim, block_d, 256.0)
+        return Reading(READ_PLAIN, ScaleKind.NONE.id, COLUMNS_NONE, False, head_dim, block_d,
+                       1.0, args.query.dtype == "bfloat16")
+    if fmt.block_scaled:
+        return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 256.0)
     columns = (COLUMNS_INLINE if args.inline_pad and side.is_dynamic else
                COLUMNS_ARRAY if side.is_dynamic else COLUMNS_NONE)
-    return Reading(READ_FP8, CodeFormat.of(fmt), None, side.kind.id, columns, head_dim, block_d,
+    return Reading(READ_FP8, side.kind.id, columns, columns == COLUMNS_ARRAY, head_dim, block_d,
                    1.0)
 
 
@@ -468,7 +440,7 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
     sizes = ATTENTION_SIZES[backend]
     exact = backend == INTERPRET if exact is None else exact
     d = args.head_dim
-    kc, vc = args.key_cache, args.value_cache
+    kc = args.key_cache
     group = args.num_heads // args.num_kv_heads
     block_m = sizes["block_m"]
     m_tiles = -(-args.max_query_len * group // block_m)
@@ -476,20 +448,9 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
     max_context = args.block_table.shape[1] * kc.page_size
     programs = args.num_seqs * args.num_kv_heads * m_tiles
     splits = splits_for(programs, max_context, tile, sizes)
-    layers = args.layers
-    ks, vs = args.key_scale.stored, args.value_scale.stored
-    if layers is None:
-        axis, strides = LayerAxis(LayerKind.NONE.id, 0), (0, 0, 0, 0)
-    else:
-        axis = LayerAxis((LayerKind.TENSOR if layers.on_device else LayerKind.VALUE).id,
-                         layers.num_layers)
-        strides = (layers.stride_key_cache, layers.stride_value_cache,
-                   layers.stride_key_scale_cache, layers.stride_value_scale_cache)
     query = args.query
     consts = Constants(
-        QueryRows(query.strides[0], query.strides[1]),
-        _rows(kc, strides[0]), _rows(vc, strides[1]), _rows(ks, strides[2]),
-        _rows(vs, strides[3]),
+        QueryRows(query.strides[0], query.strides[1]), _cache(args),
         _reading(args, args.key_scale, d), _reading(args, args.value_scale, d),
         Geometry(args.num_heads, args.num_kv_heads, group, d, kc.page_size,
                  args.block_table.strides[1]),
@@ -497,12 +458,11 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
               sizes["stages" if splits == 1 else "split_stages"]),
         Options(args.varlen, args.sliding_window is not None, args.logits_soft_cap is not None,
                 args.sinks, exact, int(OUT_KIND_OF_DTYPE[args.out_dtype]), backend == CUDA,
-                args.softmax_scale, float(args.logits_soft_cap or 1.0)),
-        axis)
+                args.softmax_scale, float(args.logits_soft_cap or 1.0)))
     scalars = dict(
         key_scale_value=float(args.key_scale.value),
         value_scale_value=float(args.value_scale.value), window=int(args.sliding_window or 0),
-        layer=0 if layers is None or layers.on_device else layers.index,
+        layer=0 if args.layers is None or args.layers.on_device else args.layers.index,
         stride_table=args.block_table.strides[0])
     grid = (programs, splits)
     main = LaunchPlan(grid, sizes["warps"], scalars, dict(C=consts),

@@ -24,7 +24,7 @@ import triton.language as tl
 from .. import attention
 from ._dual import jit
 from .codec import SCALE_HEAD, SCALE_TENSOR, fp32_to_output_bits, max_combine
-from .layers import LAYER_NONE, select_layer
+from .addressing import LAYER_NONE, at_layer, select_layer, slot_rows
 
 # The ids of fp8kv.attention: how a side's elements become MMA operands, where its dynamic
 # scales are.
@@ -75,11 +75,11 @@ def _fp16_of_e4m3_pairs_held(codes):
 
 @jit
 def fp16_of_fp8(codes, F: tl.constexpr, TRANSPOSED: tl.constexpr, EXACT: tl.constexpr):
-    """fp16 of FP8 codes (uint8) of format ``F`` (:class:`fp8kv.attention.CodeFormat`), exact:
+    """fp16 of FP8 codes (uint8) of format ``F`` (a :class:`fp8kv.formats.Codec`), exact:
     sign, then the magnitude's bits moved into fp16's field and scaled by ``2**(15 - bias)``
     (a power of two; fp16 holds every e4m3 and e5m2 value). A NaN code gives a NaN, e5m2's inf
     an inf. The e4m3 fast path is the hardware conversion (the same values)."""
-    if F.exp_bits == 4 and F.man_bits == 3 and not EXACT:
+    if F.EXP_BITS == 4 and F.MAN_BITS == 3 and not EXACT:
         if TRANSPOSED:
             x = _fp16_of_e4m3_pairs_held(codes)
         else:
@@ -87,12 +87,13 @@ def fp16_of_fp8(codes, F: tl.constexpr, TRANSPOSED: tl.constexpr, EXACT: tl.cons
     else:
         c = codes.to(tl.uint16)
         mag = c & 0x7F
-        bits = ((c & 0x80) << 8) | (mag << (10 - F.man_bits))
-        if not F.has_inf:   # e4m3fn: one NaN magnitude, no inf (a quiet fp16 NaN, any sign)
-            bits = tl.where(mag == F.nan_magnitude, bits | 0x7E00, bits)
+        bits = ((c & 0x80) << 8) | (mag << (10 - F.MAN_BITS))
+        if not F.HAS_INF:   # e4m3fn: one NaN magnitude, no inf (a quiet fp16 NaN, any sign)
+            bits = tl.where(mag == (F.NAN_CODE & 0x7F), bits | 0x7E00, bits)
         x = bits.to(tl.float16, bitcast=True)
-        if F.bias != 15:
-            x = x * F.unit
+        if F.BIAS != 15:
+            UNIT: tl.constexpr = 2.0 ** (15 - F.BIAS)
+            x = x * UNIT
     return x
 
 
@@ -160,18 +161,13 @@ def plain_to_fp32(bits, BF16: tl.constexpr):
 
 
 @jit
-def _row_offsets(page, slot, C: tl.constexpr):
-    """Element offset of each token's row in a cache or side array ``C``
-    (:class:`fp8kv.attention.Rows`) whose pointer is already at the program's kv head."""
-    return page * C.stride_page + slot * C.stride_slot
-
-
-@jit
-def read_tile(cache_ptr, side_ptr, rows, page, slot, R: tl.constexpr, S: tl.constexpr,
+def read_tile(cache_ptr, side_ptr, rows, R: tl.constexpr, F: tl.constexpr,
               TRANSPOSED: tl.constexpr, EXACT: tl.constexpr):
-    """``(tile, columns)``: the ``[W, BLOCK_N, D]`` MMA operand of one side's tokens (``rows``:
-    their head rows' offsets; ``page``, ``slot``: ``[W, BLOCK_N]``) and their dynamic scales
-    ``[W, BLOCK_N]`` (1.0 without)."""
+    """``(tile, columns)``: the ``[W, BLOCK_N, D]`` MMA operand of one side's tokens and their
+    dynamic scales ``[W, BLOCK_N]`` (1.0 without). ``rows``: their rows' offsets in the cache
+    and in the side array (:func:`fp8kv.ops.addressing.slot_rows`; the pointers are at the
+    program's kv head); ``F``: the cache's codec."""
+    rows, srows = rows
     if R.kind != READ_PLAIN:   # codes and inline scales are bytes, whatever the cache's dtype
         cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint8))
     d = tl.arange(0, R.block_d)
@@ -179,12 +175,11 @@ def read_tile(cache_ptr, side_ptr, rows, page, slot, R: tl.constexpr, S: tl.cons
         dh = tl.arange(0, R.block_d // 2)
         codes = tl.load(cache_ptr + rows[:, :, None] + dh[None, None, :],
                         mask=(dh < R.head_dim // 2)[None, None, :], other=0)
-        srows = _row_offsets(page, slot, S)
         db = tl.arange(0, R.block_d // 16)
         scales = tl.load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
                          + db[None, None, :], mask=(db < R.head_dim // 16)[None, None, :],
                          other=0)
-        BLOCK_CODES: tl.constexpr = R.block_codes   # (a nested constexpr is passed by name)
+        BLOCK_CODES: tl.constexpr = F.BLOCK_SCALE   # (a nested constexpr is passed by name)
         tile = fp16_of_nvfp4(codes, scales, BLOCK_CODES, EXACT)
     else:
         if R.kind == READ_PLAIN and EXACT:   # the interpreter's bf16 is wrong: its bits, to fp32
@@ -197,10 +192,9 @@ def read_tile(cache_ptr, side_ptr, rows, page, slot, R: tl.constexpr, S: tl.cons
         if R.kind == READ_PLAIN and EXACT:
             tile = plain_to_fp32(tile, R.plain_bf16)
     if R.kind == READ_FP8:
-        CODES: tl.constexpr = R.codes
-        tile = fp16_of_fp8(tile, CODES, TRANSPOSED, EXACT)
+        tile = fp16_of_fp8(tile, F, TRANSPOSED, EXACT)
     if R.columns == COLUMNS_ARRAY:
-        columns = tl.load(side_ptr + _row_offsets(page, slot, S))
+        columns = tl.load(side_ptr + srows)
     elif R.columns == COLUMNS_INLINE:   # the fp32 after the row's head_dim codes
         columns = tl.load((cache_ptr + rows + R.head_dim).to(tl.pointer_type(tl.float32)))
     else:
@@ -270,10 +264,10 @@ def attend_tile(state, qm, t0, seen, sides, table, h, scales, C: tl.constexpr):
     the share's end, the last visible token, the rows' positions, the window) folded into the
     online softmax ``state`` = ``(m, l, acc, v_exp)``. ``sides``: the K and V caches' and side
     arrays' pointers; ``scales``: the score scale and the soft cap; ``C``: the constexprs."""
-    KC: tl.constexpr = C.key_rows
-    VC: tl.constexpr = C.value_rows
-    KS: tl.constexpr = C.key_side
-    VS: tl.constexpr = C.value_side
+    CACHE: tl.constexpr = C.cache
+    KEY: tl.constexpr = CACHE.KEY
+    VALUE: tl.constexpr = CACHE.VALUE
+    FMT: tl.constexpr = CACHE.FMT
     R_K: tl.constexpr = C.key_read
     R_V: tl.constexpr = C.value_read
     G: tl.constexpr = C.geometry
@@ -289,14 +283,12 @@ def attend_tile(state, qm, t0, seen, sides, table, h, scales, C: tl.constexpr):
     tc = tl.minimum(t, last)
     page = tl.load(table + (tc // G.page_size) * G.stride_table_page).to(tl.int64)
     slot = tc % G.page_size
-    k_rows = _row_offsets(page, slot, KC)
-    if (KC.stride_page, KC.stride_slot, KC.stride_head) == (VC.stride_page, VC.stride_slot,
-                                                           VC.stride_head):
+    k_rows = slot_rows(page, slot, KEY)
+    if KEY == VALUE:   # the same strides (V of a combined cache: its own offset, compiled in)
         v_rows = k_rows
     else:
-        v_rows = _row_offsets(page, slot, VC)
-    k, k_cols = read_tile(key_cache_ptr, key_side_ptr, k_rows, page, slot, R_K, KS, False,
-                          OPT.exact)
+        v_rows = slot_rows(page, slot, VALUE)
+    k, k_cols = read_tile(key_cache_ptr, key_side_ptr, k_rows, R_K, FMT, False, OPT.exact)
     if R_K.kind == READ_NVFP4:   # even and odd halves of the head dimension
         s = tl.dot(qm[0], tl.permute(k[0], (0, 2, 1)))
         s = tl.dot(qm[1], tl.permute(k[1], (0, 2, 1)), s)
@@ -318,8 +310,7 @@ def attend_tile(state, qm, t0, seen, sides, table, h, scales, C: tl.constexpr):
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(s - m_use[:, :, None])
     l_i = l_i * alpha + tl.reduce(p, 2, _sum_combine)
-    v, v_cols = read_tile(value_cache_ptr, value_side_ptr, v_rows, page, slot, R_V, VS, True,
-                          OPT.exact)
+    v, v_cols = read_tile(value_cache_ptr, value_side_ptr, v_rows, R_V, FMT, True, OPT.exact)
     if R_V.columns != COLUMNS_NONE:
         # Probabilities times the tokens' V scales, in units of 2**v_exp: the largest scale
         # seen so far (a power of two, so the rescaling of acc is exact).
@@ -350,16 +341,14 @@ def _paged_attention_kernel(
     C: tl.constexpr,
 ):
     Q: tl.constexpr = C.query
-    KC: tl.constexpr = C.key_rows
-    VC: tl.constexpr = C.value_rows
-    KS: tl.constexpr = C.key_side
-    VS: tl.constexpr = C.value_side
+    CACHE: tl.constexpr = C.cache
+    KEY: tl.constexpr = CACHE.KEY
+    VALUE: tl.constexpr = CACHE.VALUE
     R_K: tl.constexpr = C.key_read
     R_V: tl.constexpr = C.value_read
     G: tl.constexpr = C.geometry
     T: tl.constexpr = C.tiles
     OPT: tl.constexpr = C.options
-    LAYERS: tl.constexpr = C.layers
     pid = tl.program_id(0)
     split = tl.program_id(1)
     m_tile = pid % T.m_tiles
@@ -367,13 +356,15 @@ def _paged_attention_kernel(
     b = bh // G.num_kv_heads
     h = bh % G.num_kv_heads
     seq_len = tl.load(seq_lens_ptr + b)
-    if LAYERS.kind != LAYER_NONE:   # stacked caches: move to the call's layer
-        layer, seq_len = select_layer(layer_ptr, layer, seq_len, KIND=LAYERS.kind,
-                                      NUM_LAYERS=LAYERS.num_layers)
-        key_cache_ptr += layer * KC.stride_layer
-        value_cache_ptr += layer * VC.stride_layer
-        key_side_ptr += layer * KS.stride_layer
-        value_side_ptr += layer * VS.stride_layer
+    if CACHE.LAYER_KIND != LAYER_NONE:   # stacked caches: move to the call's layer
+        layer, seq_len = select_layer(layer_ptr, layer, seq_len, KIND=CACHE.LAYER_KIND,
+                                      NUM_LAYERS=CACHE.NUM_LAYERS)
+        key_cache_ptr = at_layer(key_cache_ptr, layer, KEY, False)
+        value_cache_ptr = at_layer(value_cache_ptr, layer, VALUE, False)
+        if R_K.side:
+            key_side_ptr = at_layer(key_side_ptr, layer, KEY, True)
+        if R_V.side:
+            value_side_ptr = at_layer(value_side_ptr, layer, VALUE, True)
     if OPT.varlen:
         q_first = tl.load(query_start_ptr + b)
         q_len = tl.load(query_start_ptr + b + 1) - q_first
@@ -422,10 +413,15 @@ def _paged_attention_kernel(
     v_exp = 0                                    # 2**v_exp: the unit of acc (dynamic V scales)
     table = table_ptr + b.to(tl.int64) * stride_table
     state = (m_i, l_i, acc, v_exp)
-    # Every pointer at this program's kv head (V of a combined cache: at its offset).
-    sides = (key_cache_ptr + (KC.offset + h * KC.stride_head),
-             value_cache_ptr + (VC.offset + h * VC.stride_head),
-             key_side_ptr + h * KS.stride_head, value_side_ptr + h * VS.stride_head)
+    # Every pointer at this program's kv head (a side array only where the call has one: an
+    # unused pointer may be a compiled-in None).
+    key_cache_ptr += h * KEY.CODES.HEAD
+    value_cache_ptr += h * VALUE.CODES.HEAD
+    if R_K.side:
+        key_side_ptr += h * KEY.SCALES.HEAD
+    if R_V.side:
+        value_side_ptr += h * VALUE.SCALES.HEAD
+    sides = (key_cache_ptr, value_cache_ptr, key_side_ptr, value_side_ptr)
     seen = (end, last, pos[None, :, None], window)
     scales = (score_scale, OPT.cap)
     if OPT.pipelined:
