@@ -22,6 +22,12 @@ The static calibrated scales are computed with :func:`fp8kv.reference.dynamic_sc
 whole tensor (or head) as one group, so every scheme follows the same rule (fp32 division, the
 1e-6 floor, and ``pow2``: rounded up to a power of two).
 
+The ``reader`` column says how the cache is read: ``dequantize`` (the reference's
+``dequantize_pages`` to bf16, then the fp32 attention above) or ``paged_attention`` (fp8kv's fused
+reader, ``fp8kv_torch.paged_attention`` over the same cache, compiled: on a machine with a CUDA
+GPU only (the interpreter would take minutes), for the scale schemes of :data:`FUSED_SCHEMES`).
+The fused rows add the reader's own rounding (fp16 probabilities, bf16 output) to the cache's.
+
 NVFP4 (``nvfp4`` rows, docs/SPEC.md section 13): E2M1 codes with an e4m3 scale per 16 elements
 computed at write time; its scheme is the global scale: ``tensor-unit`` (1.0), ``tensor`` (amax
 of the whole context / (6 x 448), the calibration FlashInfer's tests use) or ``head`` (the same
@@ -59,7 +65,11 @@ SCALE_BYTES = {"token": 4, "token-head": 4 * KV_HEADS}
 # NVFP4: the global scale is the scheme; e4m3 block scales come with every scheme.
 NVFP4_SCHEMES = (("tensor-unit", "-"), ("tensor", "exact"), ("head", "exact"))
 NVFP4_BLOCK_BYTES = KV_HEADS * HEAD_DIM // 16
-COLUMNS = ("context", "kv", "fmt", "scheme", "rounding", "attn_rel_l2", "attn_max_abs",
+# The schemes read again by the fused reader, per format: a static scale and (FP8) the
+# recommended dynamic per-token-head scales.
+FUSED_SCHEMES = {"e4m3": (("tensor", "exact"), ("token-head", "exact")),
+                 "e5m2": (("tensor", "exact"),), "nvfp4": (("tensor", "exact"),)}
+COLUMNS = ("context", "kv", "fmt", "scheme", "rounding", "reader", "attn_rel_l2", "attn_max_abs",
            "k_rel_l2", "v_rel_l2", "scale_bytes_per_token")
 
 
@@ -124,8 +134,9 @@ def nvfp4_global_scale(x, scheme: str):
     return (np.asarray(amax, np.float32) / np.float32(6 * 448)).astype(np.float32)
 
 
-def roundtrip_nvfp4(k, v, scheme: str):
-    """K/V written into an nvfp4 paged cache and read back as bf16 ``[T, H, D]``."""
+def write_nvfp4(k, v, scheme: str):
+    """``(key_cache, value_cache, read)``: K/V written into an nvfp4 paged cache, and the read
+    arguments (scales, block scales, format) of both readers."""
     context = k.shape[0]
     pages = -(-context // PAGE_SIZE)
     shape = (pages, PAGE_SIZE, KV_HEADS)
@@ -135,34 +146,69 @@ def roundtrip_nvfp4(k, v, scheme: str):
     kc, vc, kb, vb = ref.write_kv(k, v, cache, cache, np.arange(context), g_k, g_v,
                                   key_scale_cache=blocks, value_scale_cache=blocks,
                                   cache_format="nvfp4")
-    kp, vp, _ = ref.dequantize_pages(kc, vc, np.arange(pages, dtype=np.int32)[None], g_k, g_v,
-                                     key_scale_cache=kb, value_scale_cache=vb,
-                                     cache_format="nvfp4")
-    flat = (pages * PAGE_SIZE, KV_HEADS, HEAD_DIM)
-    return kp.reshape(flat)[:context], vp.reshape(flat)[:context]
+    return kc, vc, dict(key_scale=g_k, value_scale=g_v, key_scale_cache=kb,
+                        value_scale_cache=vb, cache_format="nvfp4")
 
 
-def roundtrip(k, v, fmt: str, scheme: str, rounding: str):
-    """K/V written into a paged cache under the scheme and read back as bf16 ``[T, H, D]``."""
+def write(k, v, fmt: str, scheme: str, rounding: str):
+    """``(key_cache, value_cache, read)``: K/V written into a paged cache under the scheme, and
+    the read arguments of both readers."""
     if fmt == "nvfp4":
-        return roundtrip_nvfp4(k, v, scheme)
+        return write_nvfp4(k, v, scheme)
     context = k.shape[0]
     pages = -(-context // PAGE_SIZE)
     cache = np.zeros((pages, PAGE_SIZE, KV_HEADS, HEAD_DIM), ref.np_dtype(FORMATS[fmt].dtype))
     slots = np.arange(context)
-    table = np.arange(pages, dtype=np.int32)[None]
     if scheme in ("token", "token-head"):
         shape = (pages, PAGE_SIZE) + ((KV_HEADS,) if scheme == "token-head" else ())
         side = np.zeros(shape, np.float32)
         kc, vc, ks, vs = ref.write_kv(k, v, cache, cache, slots, key_scale_cache=side,
                                       value_scale_cache=side, scale_rounding=rounding)
-        kp, vp, _ = ref.dequantize_pages(kc, vc, table, key_scale_cache=ks, value_scale_cache=vs)
-    else:
-        k_s, v_s = static_scale(k, fmt, scheme, rounding), static_scale(v, fmt, scheme, rounding)
-        kc, vc = ref.write_kv(k, v, cache, cache, slots, k_s, v_s)
-        kp, vp, _ = ref.dequantize_pages(kc, vc, table, k_s, v_s)
-    flat = (pages * PAGE_SIZE, KV_HEADS, HEAD_DIM)
+        return kc, vc, dict(key_scale_cache=ks, value_scale_cache=vs)
+    k_s, v_s = static_scale(k, fmt, scheme, rounding), static_scale(v, fmt, scheme, rounding)
+    kc, vc = ref.write_kv(k, v, cache, cache, slots, k_s, v_s)
+    return kc, vc, dict(key_scale=k_s, value_scale=v_s)
+
+
+def dequantize(kc, vc, read: dict, context: int):
+    """The cache read back as bf16 ``[T, H, D]`` (the reference's ``dequantize_pages``)."""
+    table = np.arange(kc.shape[0], dtype=np.int32)[None]
+    kp, vp, _ = ref.dequantize_pages(kc, vc, table, **read)
+    flat = (kc.shape[0] * PAGE_SIZE, KV_HEADS, HEAD_DIM)
     return kp.reshape(flat)[:context], vp.reshape(flat)[:context]
+
+
+def fused_reader():
+    """``fp8kv_torch.paged_attention`` as ``read(q, kc, vc, read, context) -> [N, Hq, D]`` fp32
+    (one sequence per query, all over the same pages), or None without torch and a CUDA GPU."""
+    try:
+        import torch
+
+        import fp8kv_torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    device = "cuda"
+
+    def tensor(a):
+        if isinstance(a, np.ndarray):
+            if a.dtype.itemsize == 1 and a.dtype != np.uint8:   # FP8 codes: by their bytes
+                return torch.from_numpy(a.view(np.uint8)).to(device).view(
+                    getattr(torch, a.dtype.name))
+            if a.dtype == ref.np_dtype("bfloat16"):
+                return torch.from_numpy(a.view(np.int16)).to(device).view(torch.bfloat16)
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return a
+
+    def read(q, kc, vc, args: dict, context: int):
+        pages = kc.shape[0]
+        table = torch.arange(pages, dtype=torch.int32, device=device).repeat(len(q), 1)
+        lens = torch.full((len(q),), context, dtype=torch.int32, device=device)
+        out = fp8kv_torch.paged_attention(tensor(q), tensor(kc), tensor(vc), table, lens,
+                                          **{k: tensor(a) for k, a in args.items()})
+        return out.float().cpu().numpy()
+    return read
 
 
 def _rel_l2(got, want) -> float:
@@ -170,7 +216,9 @@ def _rel_l2(got, want) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def measure() -> list[dict]:
+def measure(fused: bool = True) -> list[dict]:
+    """Every row; ``fused``: also the fused reader's rows, where torch is installed."""
+    reader = fused_reader() if fused else None
     rows = []
     for context in CONTEXTS:
         for kind in KV_KINDS:
@@ -178,16 +226,22 @@ def measure() -> list[dict]:
             golden = attention(q, k, v)
             for fmt in FORMAT_NAMES:
                 for scheme, rounding in (NVFP4_SCHEMES if fmt == "nvfp4" else SCHEMES):
-                    kd, vd = roundtrip(k, v, fmt, scheme, "exact" if rounding == "-" else rounding)
-                    out = attention(q, kd, vd)
-                    err = np.abs(out.astype(np.float64) - golden)
-                    rows.append(dict(
-                        context=context, kv=kind, fmt=fmt, scheme=scheme, rounding=rounding,
-                        attn_rel_l2=_rel_l2(out, golden),
-                        attn_max_abs=float(err.max()) if np.isfinite(err).all() else float("inf"),
-                        k_rel_l2=_rel_l2(kd, k), v_rel_l2=_rel_l2(vd, v),
-                        scale_bytes_per_token=(NVFP4_BLOCK_BYTES if fmt == "nvfp4"
-                                               else SCALE_BYTES.get(scheme, 0))))
+                    kc, vc, read = write(k, v, fmt, scheme,
+                                         "exact" if rounding == "-" else rounding)
+                    kd, vd = dequantize(kc, vc, read, context)
+                    outs = [("dequantize", attention(q, kd, vd))]
+                    if reader is not None and (scheme, rounding) in FUSED_SCHEMES.get(fmt, ()):
+                        outs.append(("paged_attention", reader(q, kc, vc, read, context)))
+                    for name, out in outs:
+                        err = np.abs(out.astype(np.float64) - golden)
+                        rows.append(dict(
+                            context=context, kv=kind, fmt=fmt, scheme=scheme, rounding=rounding,
+                            reader=name, attn_rel_l2=_rel_l2(out, golden),
+                            attn_max_abs=(float(err.max()) if np.isfinite(err).all()
+                                          else float("inf")),
+                            k_rel_l2=_rel_l2(kd, k), v_rel_l2=_rel_l2(vd, v),
+                            scale_bytes_per_token=(NVFP4_BLOCK_BYTES if fmt == "nvfp4"
+                                                   else SCALE_BYTES.get(scheme, 0))))
     return rows
 
 
@@ -200,7 +254,8 @@ def write_csv(rows, path: pathlib.Path) -> None:
 
 
 def scheme_label(row) -> str:
-    return row["scheme"] if row["rounding"] == "-" else f"{row['scheme']} ({row['rounding']})"
+    label = row["scheme"] if row["rounding"] == "-" else f"{row['scheme']} ({row['rounding']})"
+    return label + (", paged_attention" if row["reader"] == "paged_attention" else "")
 
 
 def plot(rows, path: pathlib.Path) -> None:
@@ -242,7 +297,7 @@ def plot(rows, path: pathlib.Path) -> None:
 
 def markdown(rows) -> str:
     """The results as a markdown table (one line per row)."""
-    lines = ["| context | K/V | format | scale | attn rel L2 | attn max abs | K rel L2 | "
+    lines = ["| context | K/V | format | scale (reader) | attn rel L2 | attn max abs | K rel L2 | "
              "V rel L2 |",
              "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['context']} | {r['kv']} | {r['fmt']} | {scheme_label(r)} | "
@@ -275,7 +330,8 @@ def section(out_dir: pathlib.Path, plots: bool = True) -> str:
         "the kernels); real results on any machine, not a timing. Decode attention "
         f"({NUM_QUERIES} queries, {Q_HEADS} query heads over {KV_HEADS} kv heads, head_dim "
         f"{HEAD_DIM}) over bf16 K/V against the same attention over K/V written to an FP8 cache "
-        "and read back as bf16; `plain` and `outliers` K/V (see bench/accuracy.py). Errors are "
+        "and read back as bf16; `plain` and `outliers` K/V (see bench/accuracy.py); rows marked "
+        "`paged_attention`: read by fp8kv's fused reader instead (CUDA GPU only). Errors are "
         "relative L2 and max abs of the attention output, and relative L2 of K and V.", "",
         markdown(rows), ""] + (image if plots else []))
 

@@ -163,8 +163,9 @@ def test_setups_run_at_once_then_each_leg_runs_the_readme_command(tmp_path):
     assert _summary(got) == [["newest", "passed", "(exit", "0)"],
                              ["oldest", "passed", "(exit", "0)"]], got.stdout
     readme = ["tests", "fp8kv_torch", "fp8kv_jax", "--doctest-modules", "-q", "-n", "auto"]
-    for leg, leg_args in (("newest", ["--deselect", "tests/test_jax.py", "--deselect", "fp8kv_jax",
-                                      "-m", "not jnp"]),
+    newest = ["--deselect", "tests/test_jax.py", "--deselect", "fp8kv_jax", "-m", "not jnp"]
+    newest += [a for f in JAX_FILES for a in ("--deselect", f)]
+    for leg, leg_args in (("newest", newest),
                           ("oldest", [])):
         calls = (venvs / f".venv-{leg}" / "calls.log").read_text().splitlines()
         pip = [c for c in calls if c.startswith("-m pip install")]
@@ -196,17 +197,25 @@ def test_a_failed_setup_fails_its_leg_with_its_log_and_the_others_run(tmp_path):
                              ["torch214", "passed", "(exit", "0)"]], got.stdout
 
 
-def test_torch214_leaves_out_the_test_files_of_fp8kv_jax_alone(tmp_path):
-    """scripts/ci_leg.sh's header: the torch214 leg runs the torch-facing tests; the files it
-    leaves out exist (a renamed file would otherwise run there again, unnoticed)."""
-    venvs = _stand_in_venvs(tmp_path, {"torch214": {}})
-    got = _ci_run(tmp_path, "torch214", venvs)
+JAX_FILES = [f"tests/test_{n}.py" for n in ("jax_glue", "stacked_jax", "rope_jax", "nvfp4_jax",
+                                            "xla_triton", "sharded_jit", "attention_jax")]
+KERNEL_FILES = [f"tests/test_{n}.py" for n in (
+    "write", "dequantize", "nvfp4", "dynamic_scales", "rope_write", "sm90_compile",
+    "reference_dynamic", "reference_nvfp4", "bounds_check")]
+
+
+@pytest.mark.parametrize("leg, files", [("newest", JAX_FILES),
+                                        ("torch214", JAX_FILES + KERNEL_FILES)])
+def test_newest_and_torch214_leave_out_what_other_legs_run(tmp_path, leg, files):
+    """scripts/ci_leg.sh's header: newest leaves out fp8kv_jax's own files, torch214 those and
+    the kernels' byte tests; the files they leave out exist (a renamed file would otherwise run
+    there again, unnoticed)."""
+    venvs = _stand_in_venvs(tmp_path, {leg: {}})
+    got = _ci_run(tmp_path, leg, venvs)
     assert got.returncode == 0, got
-    args = (venvs / ".venv-torch214" / "pytest-args").read_text().splitlines()
+    args = (venvs / f".venv-{leg}" / "pytest-args").read_text().splitlines()
     left_out = [a for d, a in zip(args, args[1:]) if d == "--deselect"]
-    assert left_out == ["tests/test_jax.py", "fp8kv_jax"] + [f"tests/test_{n}.py" for n in (
-        "jax_glue", "stacked_jax", "rope_jax", "nvfp4_jax", "xla_triton", "sharded_jit",
-        "attention_jax")], args
+    assert left_out == ["tests/test_jax.py", "fp8kv_jax"] + files, args
     assert all((ROOT / f).is_file() for f in left_out if f.endswith(".py")), left_out
     assert ["-m", "not jnp"] in [args[i:i + 2] for i in range(len(args))], args
 
@@ -258,7 +267,8 @@ def test_each_leg_declares_the_files_it_must_run(tmp_path):
             assert left_out == _torch_test_files() and len(left_out) == 14, left_out
         else:
             assert left_out == deselected[leg] - {"fp8kv_jax"}, (leg, left_out)
-    assert deselected["oldest"] == set() and len(deselected["torch214"]) == 9
+    assert deselected["oldest"] == set() and len(deselected["newest"]) == 9
+    assert len(deselected["torch214"]) == 18
     got = _ci_run(tmp_path, "oldest", venvs, "-k", "rope")
     args = (venvs / ".venv-oldest" / "pytest-args").read_text().splitlines()
     assert _must_run(args) == [] and args[-2:] == ["-k", "rope"], args
