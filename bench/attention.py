@@ -65,7 +65,7 @@ def make_cache(batch: int, context: int, fmt: str, device, seed: int = 0):
     return kw, 2 * k.numel()
 
 
-def _attend(kw: dict, out):
+def attend(kw: dict, out):
     kw = dict(kw)
     return fp8kv_torch.paged_attention(kw.pop("query"), kw.pop("key_cache"),
                                        kw.pop("value_cache"), kw.pop("block_table"),
@@ -87,7 +87,7 @@ def table_attention(device, cfg: Config, timer: Timer, copy_gbps: float) -> Tabl
         for fmt in FORMATS if timer.cuda else FORMATS[::3]:   # the CPU: a harness check
             kw, nbytes = make_cache(batch, context, fmt, device)
             out = torch.empty_like(kw["query"])
-            us = timer.time(mode, [lambda: _attend(kw, out)])
+            us = timer.time(mode, [lambda: attend(kw, out)])
             table.add(size, batch * context, fmt, mode, us, nbytes)
             if fmt == "e4m3":
                 table.add_roofline(size, batch * context, nbytes, copy_gbps)
@@ -97,7 +97,7 @@ def table_attention(device, cfg: Config, timer: Timer, copy_gbps: float) -> Tabl
                 if (batch, context) in ((64, 2048), CPU_SHAPES[-1]):
                     q4 = _four_queries(kw)
                     out4 = torch.empty_like(q4["query"])
-                    us = timer.time(mode, [lambda: _attend(q4, out4)])
+                    us = timer.time(mode, [lambda: attend(q4, out4)])
                     table.add(size, batch * context, "e4m3 q4", mode, us, nbytes)
             del kw, out
             free_memory()

@@ -1,4 +1,5 @@
-"""Tuning sweep: the size tables of ``fp8kv.plan`` and the cost of the bit-exact conversions."""
+"""Tuning sweep: the size tables of ``fp8kv.plan`` and ``fp8kv.attention`` and the cost of the
+bit-exact conversions."""
 from __future__ import annotations
 
 import contextlib
@@ -6,10 +7,11 @@ import itertools
 
 import torch
 
-from fp8kv import plan
+from fp8kv import attention, plan
 from fp8kv.validate import check_write, frontend_args
 from fp8kv_torch._launch import clear_launch_caches, info
 
+from . import attention as attention_bench
 from . import latency
 from .common import Config, Timer, free_memory
 from .dequant import build_dequant_case
@@ -123,6 +125,53 @@ def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
             table.add(label, size, "exact" if exact else "fast", mode,
                       timer.time(mode, case.launch_calls(exact), sweep=True), case.nbytes)
     return table
+
+
+# Attention: (block_n, warps, stages unsplit, stages split, target programs); the first is
+# the table's default. Kept short: every candidate is a compile of its own.
+ATTENTION_CANDIDATES = (
+    (32, 2, 5, 3, 264), (32, 2, 3, 3, 264), (32, 2, 4, 4, 528), (32, 4, 3, 3, 264),
+    (64, 2, 3, 3, 264), (16, 4, 4, 4, 264), (32, 2, 5, 3, 528), (64, 4, 2, 2, 264),
+)
+ATTENTION_SWEEP_FORMATS = ("e4m3", "nvfp4")
+
+
+def attention_candidate_label(candidate) -> str:
+    block_n, warps, stages, split_stages, target = candidate
+    return f"n{block_n} w{warps} s{stages}/{split_stages} t{target}"
+
+
+def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
+    """``ATTENTION_SIZES`` candidates on the attention table's shapes (CUDA only: the
+    interpreter's sizes are not a tuning target)."""
+    if not timer.cuda:
+        return
+    table = Table("sweep_attention", "Sweep: paged attention tiles, warps, stages, splits",
+                  "`ATTENTION_SIZES` candidates (`n` tokens per warp tile, `w` warps, `s` "
+                  "pipeline stages unsplit / split, `t` the programs splitting aims at) per "
+                  "shape and cache format; the first candidate is the table's default.",
+                  plot="bars")
+    shapes = attention_bench.shapes(cfg, timer.cuda)
+    cases = {}
+    for candidate in ATTENTION_CANDIDATES:
+        block_n, warps, stages, split_stages, target = candidate
+        with planned_with(attention.ATTENTION_SIZES, attention.CUDA, block_n=block_n,
+                          warps=warps, stages=stages, split_stages=split_stages,
+                          target_programs=target):
+            for batch, context in shapes:
+                for fmt in ATTENTION_SWEEP_FORMATS:
+                    key = (batch, context, fmt)
+                    if key not in cases:
+                        cases[key] = attention_bench.make_cache(batch, context, fmt, device)
+                    kw, nbytes = cases[key]
+                    out = torch.empty_like(kw["query"])
+                    us = timer.time("graph", [lambda: attention_bench.attend(kw, out)],
+                                    sweep=True)
+                    table.add(f"{batch}x{context} {fmt}", batch * context,
+                              attention_candidate_label(candidate), "graph", us, nbytes)
+    del cases
+    free_memory()
+    yield table
 
 
 def sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):

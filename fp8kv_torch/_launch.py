@@ -201,6 +201,8 @@ def clear_launch_caches() -> None:
     _READY.clear()
     _LAST.clear()
     _PREVIOUS_KEY.clear()
+    from . import _attention   # imported here: it imports this module
+    _attention.clear()
 
 
 def _remember(op: str, key, args: tuple, options, ready) -> None:

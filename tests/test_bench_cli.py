@@ -66,10 +66,11 @@ def test_registry_entries():
     assert all(e.needs for e in ENTRIES if e.kind == "jax-rows")
     assert list(only_names()) == ["write", "variants", "small", "rope", "nvfp4", "dequant",
                                   "dynamic", "attention", "eager", "sweep",
-                                  "accuracy", "jax", "jax_layers"]
+                                  "attention_sweep", "accuracy", "jax", "jax_layers"]
     assert [e.name for e in select({"write"}, cuda=False)] == ["write", "variants"]
     assert [e.name for e in select({"dequant"}, cuda=False)] == ["dequant", "jax dequant rows"]
-    assert "sweep" not in [e.name for e in select(None, cuda=False)]
+    assert not {"sweep", "attention sweep"} & {e.name for e in select(None, cuda=False)}
+    assert [e.name for e in select({"sweep"}, cuda=True)] == ["sweep", "attention sweep"]
     assert [e.name for e in select(None, cuda=True)] == names
     # JAX entries after every torch one (importing jax_triton changes the environment).
     kinds = [e.kind.startswith("jax") for e in ENTRIES]
