@@ -18,7 +18,7 @@ import triton
 
 from .arrays import ArrayInfo, fmt_shape
 from .constexprs import Cache, Side, Strides
-from .formats import Format
+from .formats import FORMATS, Format
 from .layout import LAYOUTS, Layers, PagedCache
 from .modes import OUT_KIND_OF_DTYPE, LayerKind, ScaleKind, SideScale
 from .operands import Operand, OperandMap
@@ -260,6 +260,13 @@ def check_attention(query, key_cache=None, value_cache=None, block_table=None, s
     else:
         kc, vc, fmt, rank = validate.check_caches(key_cache, value_cache, kv_cache, layout, None,
                                                   cache_format)
+        if fmt.block_scaled and not fmt.packed:
+            # mxfp8's scales vary along head_dim by powers of two too wide for an fp16 operand:
+            # the kernel reads the FP8 formats and nvfp4 (dequantize_pages reads mxfp8).
+            read = ", ".join(repr(n) for n, f in FORMATS.items() if f.packed or not f.blocks)
+            raise ValueError(f"cache_format: expected one of the formats paged_attention reads "
+                             f"({read} or None), got {fmt.name!r} (dequantize its pages with "
+                             f"dequantize_pages first)")
         key_scale_cache = validate.check_scale_cache_arg(key_scale_cache, "key_scale_cache",
                                                          fmt=fmt)
         value_scale_cache = validate.check_scale_cache_arg(value_scale_cache,
