@@ -18,7 +18,7 @@ import triton
 
 from .arrays import ArrayInfo, fmt_shape
 from .constexprs import Cache, Side, Strides
-from .formats import FORMATS, Format
+from .formats import Format
 from .layout import LAYOUTS, Layers, PagedCache
 from .modes import OUT_KIND_OF_DTYPE, LayerKind, ScaleKind, SideScale
 from .operands import Operand, OperandMap
@@ -32,7 +32,7 @@ MAX_HEAD_DIM = 256
 
 # How a side's elements become MMA operands (Reading.kind) and where its dynamic scales are
 # (Reading.columns); the kernels compare these ids.
-READ_PLAIN, READ_FP8, READ_NVFP4 = 0, 1, 2
+READ_PLAIN, READ_FP8, READ_NVFP4, READ_MXFP8 = 0, 1, 2, 3
 COLUMNS_NONE, COLUMNS_ARRAY, COLUMNS_INLINE = 0, 1, 2
 
 
@@ -260,13 +260,6 @@ def check_attention(query, key_cache=None, value_cache=None, block_table=None, s
     else:
         kc, vc, fmt, rank = validate.check_caches(key_cache, value_cache, kv_cache, layout, None,
                                                   cache_format)
-        if fmt.block_scaled and not fmt.packed:
-            # mxfp8's scales vary along head_dim by powers of two too wide for an fp16 operand:
-            # the kernel reads the FP8 formats and nvfp4 (dequantize_pages reads mxfp8).
-            read = ", ".join(repr(n) for n, f in FORMATS.items() if f.packed or not f.blocks)
-            raise ValueError(f"cache_format: expected one of the formats paged_attention reads "
-                             f"({read} or None), got {fmt.name!r} (dequantize its pages with "
-                             f"dequantize_pages first)")
         key_scale_cache = validate.check_scale_cache_arg(key_scale_cache, "key_scale_cache",
                                                          fmt=fmt)
         value_scale_cache = validate.check_scale_cache_arg(value_scale_cache,
@@ -422,8 +415,10 @@ def _reading(args: AttentionArgs, side: SideScale, head_dim: int) -> Reading:
     if fmt is None:
         return Reading(READ_PLAIN, ScaleKind.NONE.id, COLUMNS_NONE, False, head_dim, block_d,
                        1.0, args.query.dtype == "bfloat16")
-    if fmt.block_scaled:
+    if fmt.packed:
         return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 256.0)
+    if fmt.block_scaled:   # mxfp8: fp32 operands, the block scales applied to them
+        return Reading(READ_MXFP8, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 1.0)
     columns = (COLUMNS_INLINE if args.inline_pad and side.is_dynamic else
                COLUMNS_ARRAY if side.is_dynamic else COLUMNS_NONE)
     return Reading(READ_FP8, side.kind.id, columns, columns == COLUMNS_ARRAY, head_dim, block_d,

@@ -582,10 +582,9 @@ def paged_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Arr
     sinks : jax.Array, optional
         ``[num_heads]`` float32: a logit per query head added to the softmax's denominator.
     key_scale_cache, value_scale_cache : None, jax.Array or "inline"
-        Dynamic scales as :func:`write_kv` stored them; nvfp4: the block scales.
-    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
-        The format of a uint8 cache (None: the cache's dtype, or e4m3). ``"mxfp8"`` is not
-        read here (``ValueError``): read its pages with :func:`dequantize_pages`.
+        Dynamic scales as :func:`write_kv` stored them; nvfp4, mxfp8: the block scales.
+    cache_format : {None, "e4m3", "e5m2", "nvfp4", "mxfp8"}
+        The format of a uint8 cache (None: the cache's dtype, or e4m3).
     layout : {"NHD", "HND"}
     head_dim : int, optional
         The data columns of an inline-scale cache (default: the query's).

@@ -520,10 +520,9 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     key_scale_cache, value_scale_cache : None, torch.Tensor or "inline"
         Dynamic scales as :func:`write_kv` stored them (float32 ``[num_pages, page_size,
         num_kv_heads]`` NHD / ``[num_pages, num_kv_heads, page_size]`` HND per token-head,
-        ``[num_pages, page_size]`` per token, or ``"inline"``); nvfp4: the block scales.
-    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
-        The format of a uint8 cache (None: the cache's dtype, or e4m3). ``"mxfp8"`` is not
-        read here (``ValueError``): read its pages with :func:`dequantize_pages`.
+        ``[num_pages, page_size]`` per token, or ``"inline"``); nvfp4, mxfp8: the block scales.
+    cache_format : {None, "e4m3", "e5m2", "nvfp4", "mxfp8"}
+        The format of a uint8 cache (None: the cache's dtype, or e4m3).
     layout : {"NHD", "HND"}
     head_dim : int, optional
         The data columns of an inline-scale cache (default: the query's).

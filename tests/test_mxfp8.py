@@ -352,16 +352,3 @@ def test_gpu_random_fp32_extremes():
     for exact in (False, True):
         assert_same(torch_write(case, arrays, "cuda", exact=exact), want)
 
-
-def test_paged_attention_rejects_mxfp8():
-    """paged_attention reads the FP8 formats and nvfp4: mxfp8 is a ValueError naming
-    cache_format, before anything runs."""
-    kc = torch.zeros(2, 4, 1, 64, dtype=torch.uint8)
-    sc = torch.zeros(2, 4, 1, 2, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"cache_format: expected one of the formats "
-                                         r"paged_attention reads \('e4m3', 'e5m2', 'nvfp4' or "
-                                         r"None\), got 'mxfp8'"):
-        fp8kv_torch.paged_attention(torch.zeros(1, 1, 64, dtype=torch.bfloat16), kc, kc,
-                                    torch.zeros(1, 2, dtype=torch.int32),
-                                    torch.ones(1, dtype=torch.int32), key_scale_cache=sc,
-                                    value_scale_cache=sc, cache_format="mxfp8")

@@ -183,12 +183,3 @@ def test_errors_are_the_cores():
         fp8kv_jax.dequantize_pages(cache, cache, table_, 2.0, key_scale_cache=blocks,
                                    value_scale_cache=blocks, cache_format="mxfp8")
 
-
-def test_paged_attention_rejects_mxfp8():
-    kc = jnp.zeros((2, 4, 1, 64), jnp.uint8)
-    sc = jnp.zeros((2, 4, 1, 2), jnp.uint8)
-    with pytest.raises(ValueError, match=r"cache_format: expected one of the formats "
-                                         r"paged_attention reads .*got 'mxfp8'"):
-        fp8kv_jax.paged_attention(jnp.zeros((1, 1, 64), jnp.bfloat16), kc, kc,
-                                  jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
-                                  key_scale_cache=sc, value_scale_cache=sc, cache_format="mxfp8")
