@@ -26,7 +26,8 @@ def e4m3(v) -> int:
 
 def test_row():
     assert MXFP8.block_scaled and not MXFP8.packed
-    assert MXFP8.blocks.size == 32 and MXFP8.blocks.scale is E8M0 and MXFP8.blocks.dtypes == ("uint8",)
+    assert MXFP8.blocks.size == 32 and MXFP8.blocks.scale is E8M0
+    assert MXFP8.blocks.dtypes == ("uint8",)
     assert (E8M0.bias, E8M0.nan_code, E8M0.man_bits, E8M0.signed) == (127, 0xFF, 0, False)
     assert MXFP8.codec.BLOCK_SIZE == 32 and MXFP8.codec.BLOCK_SCALE.NAN_CODE == 0xFF
 
@@ -81,7 +82,7 @@ def test_subnormal_fp32_amax():
     x = block(tiny, -np.float32(np.ldexp(3.0, -148)))
     codes, e = ref.quantize_mxfp8(x[None])
     assert e.tolist() == [[0]]
-    # 2**-140 * 2**127 = 2**-13 -> below half of 2**-9: +0; 3 * 2**-148 * 2**127 = 1.5 * 2**-20 -> -0
+    # 2**-140 * 2**127 = 2**-13: below half of 2**-9, +0; -3 * 2**-148 * 2**127 = -1.5 * 2**-20: -0
     assert codes[0, :2].tolist() == [0x00, 0x80]
     x = block(np.float32(np.ldexp(1.0, -120)), np.float32(np.ldexp(1.0, -130)))
     codes, e = ref.quantize_mxfp8(x[None])

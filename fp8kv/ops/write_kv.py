@@ -62,8 +62,9 @@ def _write_dynamic(raw, dst, row, scale_dst, scale_row, keep, SIDE: tl.constexpr
     """Quantize one side's tile ``raw`` (:func:`_load_rows`) with its dynamic scales
     (``SIDE.DYNAMIC``: TOKEN, TOKEN_HEAD, or BLOCK: mxfp8's E8M0 scale per block of a head row,
     :func:`codec.mxfp8_block_scales`) and store codes and scales: the amax a reduction over the
-    dims (the block's, or also the heads' per token), one store -- no loop over heads. ``row``/``scale_row``:
-    each token's cache row / scale offset; ``NUM_HEADS``: the tile's heads."""
+    dims (the block's, or also the heads' per token), one store -- no loop over heads.
+    ``row``/``scale_row``: each token's cache row / scale offset; ``NUM_HEADS``: the tile's
+    heads."""
     KIND: tl.constexpr = SIDE.DYNAMIC
     FMT: tl.constexpr = CACHE.FMT
     h = tl.arange(0, BLOCK_H)
