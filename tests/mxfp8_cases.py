@@ -71,22 +71,28 @@ CASES = [
 
 
 def special_blocks(x):
-    """Blocks of token 0 (and 1) with the rule's special cases."""
-    flat = x.reshape(x.shape[0], -1, BLOCK)
-    ramp = np.arange(BLOCK, dtype=np.float32) - 16
-    specials = [np.zeros(BLOCK), np.concatenate([[-0.0] * 16, [0.0] * 16]),
-                np.where(np.arange(BLOCK) == 3, np.nan, 1.0),
-                np.where(np.arange(BLOCK) == 5, -np.inf, 0.5),
-                ramp * 29.0,                                  # amax 464: top binade, saturation
-                np.full(BLOCK, 3e-39) * np.sign(ramp + 0.5),  # subnormal fp32 amax
-                ramp * np.float32(2.0 ** -125),               # clamped exponent
-                np.nextafter(np.float32(256), np.float32(0)) * np.sign(ramp + 0.5)]
-    for i, block in enumerate(specials[: flat.shape[1]]):
-        with np.errstate(over="ignore"):
-            flat[0, i] = np.asarray(block, np.float32).astype(x.dtype)
+    """The rule's special cases as the first blocks of the batch (token 0's, then token 1's),
+    after token 1's values are scaled down by 2**-100 (amaxes near the clamp)."""
+    x = x.copy()
     if x.shape[0] > 1:
         with np.errstate(over="ignore", under="ignore"):
-            flat[1] = (flat[1].astype(np.float32) * np.float32(2.0 ** -100)).astype(x.dtype)
+            x[1] = (x[1].astype(np.float32) * np.float32(2.0 ** -100)).astype(x.dtype)
+    ramp = np.arange(BLOCK, dtype=np.float32) - 16
+    sign = np.sign(ramp + 0.5)
+    tiny = np.where(np.arange(BLOCK) % 2, -1.0, 1.0) * np.float32(2.0 ** -40)
+    specials = [np.where(np.arange(BLOCK) == 3, np.nan, 1.0),
+                np.where(np.arange(BLOCK) == 5, -np.inf, 0.5),
+                np.full(BLOCK, 3e-39) * sign,                 # subnormal fp32 amax
+                ramp * 29.0,                                  # amax 464: top binade, saturation
+                np.concatenate([[2.0 ** 100], tiny[1:]]),     # quotients below 2**-126: +-0
+                np.concatenate([[-0.0] * 16, [0.0] * 16]),
+                ramp * np.float32(2.0 ** -125),               # clamped exponent
+                np.nextafter(np.float32(256), np.float32(0)) * sign,
+                np.zeros(BLOCK)]
+    flat = x.reshape(-1, BLOCK)
+    for i, block in enumerate(specials[: flat.shape[0]]):
+        with np.errstate(over="ignore"):
+            flat[i] = np.asarray(block, np.float32).astype(x.dtype)
     return flat.reshape(x.shape)
 
 
