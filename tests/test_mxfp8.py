@@ -281,7 +281,9 @@ def test_dequantize_errors(name, args, exc, match):
 def test_rope_write_kv_rejects_mxfp8():
     """rope_write_kv writes the FP8 formats only (as for nvfp4): naming mxfp8 is a ValueError."""
     a = _good()
-    with pytest.raises(ValueError, match=r"fp8_format: .*cache_format='mxfp8'"):
+    with pytest.raises(ValueError, match=r"fp8_format: expected 'e4m3', 'e5m2' or None "
+                                         r"\(rope_write_kv writes the FP8 formats and takes no "
+                                         r"cache_format; .*cache_format='mxfp8'.*got 'mxfp8'"):
         fp8kv_torch.rope_write_kv(a["key"], a["key"], a["value"], a["key_cache"],
                                   a["value_cache"], a["slots"], torch.arange(T),
                                   torch.ones(8, D), fp8_format="mxfp8")
