@@ -32,7 +32,7 @@ MAX_HEAD_DIM = 256
 
 # How a side's elements become MMA operands (Reading.kind) and where its dynamic scales are
 # (Reading.columns); the kernels compare these ids.
-READ_PLAIN, READ_FP8, READ_NVFP4 = 0, 1, 2
+READ_PLAIN, READ_FP8, READ_NVFP4, READ_MXFP8 = 0, 1, 2, 3
 COLUMNS_NONE, COLUMNS_ARRAY, COLUMNS_INLINE = 0, 1, 2
 
 
@@ -417,8 +417,10 @@ def _reading(args: AttentionArgs, side: SideScale, head_dim: int) -> Reading:
     if fmt is None:
         return Reading(READ_PLAIN, ScaleKind.NONE.id, COLUMNS_NONE, False, head_dim, block_d,
                        1.0, args.query.dtype == "bfloat16")
-    if fmt.block_scaled:
+    if fmt.packed:
         return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 256.0)
+    if fmt.block_scaled:   # mxfp8: fp32 operands, the block scales applied to them
+        return Reading(READ_MXFP8, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 1.0)
     columns = (COLUMNS_INLINE if args.inline_pad and side.is_dynamic else
                COLUMNS_ARRAY if side.is_dynamic else COLUMNS_NONE)
     return Reading(READ_FP8, side.kind.id, columns, columns == COLUMNS_ARRAY, head_dim, block_d,

@@ -5,8 +5,8 @@ bits, the largest value and its code, the code written for NaN, infinities or no
 block-scaled format, its :class:`BlockScaling` (elements per block scale and the scales' own
 format). The kernels take a row as one constexpr record, :attr:`Format.codec`, and
 :mod:`fp8kv.ops.codec` encodes and decodes from its fields; the reference
-(:mod:`fp8kv.reference`) and the jnp path read the same row. docs/ARCHITECTURE.md, "Adding a
-format", says what else a new row needs.
+(:mod:`fp8kv.reference`) and the jnp path read the same row. docs/ADDING_A_FORMAT.md says what
+else a new row needs.
 
 Dtypes are passed around by name (``"bfloat16"``, ``"float8_e4m3fn"`` ...), the spelling both
 ``torch`` and ``jax``/``numpy`` use, so this module imports neither framework.
@@ -134,7 +134,15 @@ E5M2 = Format("e5m2", "float8_e5m2", 8, 5, 2, 57344.0, 0x7B, 0x7F, has_inf=True,
 # its nan_code 0x0 is what a NaN element (or a NaN quotient) is written as, +0.
 NVFP4 = Format("nvfp4", None, 4, 2, 1, 6.0, 0x7, 0x0,
                blocks=BlockScaling(16, E4M3, ("float8_e4m3fn", "uint8")))
-FORMATS = {f.name: f for f in (E4M3, E5M2, NVFP4)}
+# E8M0 (OCP MX v1.0): a scale format -- unsigned, 8 exponent bits, no mantissa, bias 127; code e
+# is 2**(e - 127) (0 .. 254), 0xFF is NaN. Not a cache format: MXFP8's block scales.
+E8M0 = Format("e8m0", None, 8, 8, 0, 2.0 ** 127, 0xFE, 0xFF, signed=False)
+# MXFP8 (docs/SPEC.md section 13a): e4m3 codes (E4M3's, one per byte, typed or uint8 caches) and
+# one E8M0 scale per 32 elements of a head row, in uint8 side arrays; no global scale. Not packed:
+# the FP8 kernels serve it, its block scales a dynamic granularity of their own.
+MXFP8 = Format("mxfp8", "float8_e4m3fn", 8, 4, 3, 448.0, 0x7E, 0x7F, triton_dtype="fp8e4nv",
+               blocks=BlockScaling(32, E8M0, ("uint8",)))
+FORMATS = {f.name: f for f in (E4M3, E5M2, NVFP4, MXFP8)}
 FP8_FORMATS = tuple(name for name, f in FORMATS.items() if not f.blocks)  # fp8_format=
 # A typed cache names its format only where one unscaled format has that dtype.
 FORMAT_OF_DTYPE = {f.dtype: f for f in FORMATS.values() if f.dtype is not None and not f.blocks}

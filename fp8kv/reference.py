@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 
 from .formats import (CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, E4M3, FORMATS, FP8_OUTPUT_DTYPE,
-                      NVFP4, Format, resolve_format)
+                      MXFP8, NVFP4, Format, resolve_format)
 from .validate import (INLINE, SCALE_ROUNDINGS, check_choice, check_inline_pad,
                        check_no_static_scale, check_scale_cache_arg)
 
@@ -214,9 +214,10 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
                               key_scale_cache=key_scale_cache,
                               value_scale_cache=value_scale_cache, scale_rounding=scale_rounding,
                               cache_format=cache_format)
-    if _is_nvfp4(fp8_format, cache_format):
-        return _write_kv_nvfp4(key, value, key_cache, value_cache, slots, key_scale, value_scale,
-                               layout, key_scale_cache, value_scale_cache)
+    blocks = _block_format(fp8_format, cache_format)
+    if blocks is not None:
+        return _write_kv_blocks(key, value, key_cache, value_cache, slots, key_scale, value_scale,
+                                layout, key_scale_cache, value_scale_cache, blocks)
     fp8_format = cache_format or fp8_format
     slots = np.asarray(slots).astype(np.int64)
     out, scale_out = [], []
@@ -310,10 +311,11 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
                                 key_scale_cache=merged["key_scale_cache"],
                                 value_scale_cache=merged["value_scale_cache"], head_dim=head_dim,
                                 cache_format=cache_format, out_scale=out_scale)
-    if _is_nvfp4(fp8_format, cache_format):
-        return _dequantize_pages_nvfp4(key_cache, value_cache, block_table, key_scale,
-                                       value_scale, dtype, layout, null_page, key_scale_cache,
-                                       value_scale_cache, out_scale)
+    blocks = _block_format(fp8_format, cache_format)
+    if blocks is not None:
+        return _dequantize_pages_blocks(key_cache, value_cache, block_table, key_scale,
+                                        value_scale, dtype, layout, null_page, key_scale_cache,
+                                        value_scale_cache, out_scale, blocks)
     fp8_format = cache_format or fp8_format
     inline_given = any(isinstance(c, str) and c == INLINE for c in (key_scale_cache,
                                                                      value_scale_cache))
@@ -584,24 +586,105 @@ def dequantize_nvfp4(codes, block_scales, g=None, out_dtype="bfloat16", out_scal
     return round_output(v, out_dtype)
 
 
-def _is_nvfp4(fp8_format, cache_format) -> bool:
-    return (cache_format or fp8_format) == NVFP4.name
+# ---------------------------------------------------------------------------------------------
+# MXFP8 (docs/SPEC.md section 13a): e4m3 codes, an E8M0 power-of-two scale per 32 elements.
+# ---------------------------------------------------------------------------------------------
+
+def _mxfp8_blocks(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x)
+    size = MXFP8.blocks.size
+    if x.shape[-1] % size:
+        raise ValueError(f"x: expected a last dimension (head_dim) that is a multiple of {size}, "
+                         f"got {x.shape[-1]}")
+    return x.reshape(x.shape[:-1] + (x.shape[-1] // size, size))
 
 
-def _write_kv_nvfp4(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout,
-                    key_scale_cache, value_scale_cache):
-    """:func:`write_kv` of an nvfp4 cache: ``(key_cache, value_cache, key_scale_cache,
+def e8m0_value(e) -> np.ndarray:
+    """fp32 ``2**(e - 127)`` of E8M0 bytes ``e`` (``0`` is the subnormal 2**-127); ``0xFF`` is
+    NaN.
+
+    >>> e8m0_value(np.uint8([127, 128, 0, 255])).tolist()
+    [1.0, 2.0, 5.877471754111438e-39, nan]
+    """
+    e = np.asarray(e).astype(np.int64)
+    v = np.ldexp(np.float32(1.0), (np.minimum(e, 254) - 127).astype(np.int32)).astype(np.float32)
+    return np.where(e == 0xFF, np.float32(np.nan), v).astype(np.float32)
+
+
+def mxfp8_scale_codes(blocks) -> np.ndarray:
+    """The E8M0 byte of each block (last axis) of fp32 ``blocks``: 0xFF where the block holds a
+    NaN or an infinity, else ``max(floor(log2(amax)) - 8 + 127, 0)`` -- the OCP shared exponent
+    (e4m3's largest power of two is 2**8), clamped at 2**-127. ``floor(log2(amax))`` is the
+    exponent field of ``amax`` minus 127 (a subnormal or zero ``amax``: exponent field 0, which
+    the clamp takes as it does any exponent below -127).
+
+    >>> mxfp8_scale_codes(np.float32([[448, 1], [0, -0.0], [255.9, 1], [np.inf, 1]])).tolist()
+    [127, 0, 126, 255]
+    """
+    bits = np.asarray(blocks, dtype=np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
+    nonfinite = (bits >= 0x7F800000).any(axis=-1)
+    amax_bits = bits.max(axis=-1, initial=0)          # fp32 magnitudes order as their bits
+    exp_field = (amax_bits >> 23).astype(np.int64)
+    return np.where(nonfinite, 0xFF, np.maximum(exp_field - 8, 0)).astype(np.uint8)
+
+
+def quantize_mxfp8(x):
+    """MXFP8 codes and block scales of ``x`` ``[..., D]`` (``D`` a multiple of 32): uint8
+    ``[..., D]`` (e4m3 bytes) and uint8 ``[..., D/32]`` (E8M0 bytes, :func:`mxfp8_scale_codes`).
+    Each code is :func:`quantize` of ``float32(x) / X`` with ``X = 2**(e - 127)`` its block's
+    scale (NaN for ``e = 0xFF``: every code 0x7F).
+
+    >>> codes, e = quantize_mxfp8(np.float32([[448, -1, 0.5, -0.0] + [0] * 28]))
+    >>> [hex(c) for c in codes[0, :4]], e.tolist()       # amax 448: X = 2**0, e = 127
+    (['0x7e', '0xb8', '0x30', '0x80'], [[127]])
+    """
+    blocks = _mxfp8_blocks(x).astype(np.float32)                   # [..., NB, 32]
+    e = mxfp8_scale_codes(blocks)
+    codes = quantize(blocks, e8m0_value(e)[..., None], MXFP8)
+    return codes.reshape(codes.shape[:-2] + (-1,)), e
+
+
+def dequantize_mxfp8(codes, block_scales, out_dtype="bfloat16"):
+    """Values of MXFP8 ``codes`` ``[..., D]`` (e4m3 bytes) with ``block_scales`` ``[..., D/32]``
+    (E8M0 bytes) as ``out_dtype``: ``decode_e4m3(c) * 2**(e - 127)`` in fp32 (exact unless it
+    overflows), then rounded to ``out_dtype`` (NaN: the canonical NaN).
+
+    >>> dequantize_mxfp8(np.uint8([[0x7e, 0xb8] + [0] * 30]), np.uint8([[135]]), "float32")[0, :2]
+    array([114688.,   -256.], dtype=float32)
+    """
+    c = _mxfp8_blocks(np.asarray(codes).view(np.uint8))
+    f = c.view(np_dtype(MXFP8.dtype)).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = (f * e8m0_value(np.asarray(block_scales).view(np.uint8))[..., None]).astype(np.float32)
+    return round_output(v.reshape(v.shape[:-2] + (-1,)), out_dtype)
+
+
+def _block_format(fp8_format, cache_format) -> Format | None:
+    """The block-scaled format a call names (nvfp4, mxfp8), else None."""
+    fmt = FORMATS.get(cache_format or fp8_format)
+    return fmt if fmt is not None and fmt.block_scaled else None
+
+
+def _write_kv_blocks(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout,
+                     key_scale_cache, value_scale_cache, fmt):
+    """:func:`write_kv` of a block-scaled cache: ``(key_cache, value_cache, key_scale_cache,
     value_scale_cache)``, new copies with the valid slots written (codes and block scales)."""
     slots = np.asarray(slots).astype(np.int64)
     out = []
-    for x, cache, scale, blocks in ((key, key_cache, key_scale, key_scale_cache),
-                                    (value, value_cache, value_scale, value_scale_cache)):
+    for side, x, cache, scale, blocks in (
+            ("key", key, key_cache, key_scale, key_scale_cache),
+            ("value", value, value_cache, value_scale, value_scale_cache)):
         x = np.asarray(x)
+        if not fmt.packed:   # mxfp8: the block scales are the only scales
+            check_no_static_scale(scale, blocks, f"{side}_scale")
         cache, blocks = np.array(cache, copy=True), np.array(blocks, copy=True)
-        pages = _pages_view(cache.view(np.uint8), layout)          # [P, S, H, D/2]
-        scales = _pages_view(blocks.view(np.uint8), layout)        # [P, S, H, D/16]
+        pages = _pages_view(cache.view(np.uint8), layout)          # [P, S, H, D / codes per byte]
+        scales = _pages_view(blocks.view(np.uint8), layout)        # [P, S, H, D / block size]
         num_pages, page_size = pages.shape[:2]
-        codes, sf = quantize_nvfp4(x, _scale_array(scale, x.shape[1]))
+        if fmt.packed:
+            codes, sf = quantize_nvfp4(x, _scale_array(scale, x.shape[1]))
+        else:
+            codes, sf = quantize_mxfp8(x)
         for t, slot in enumerate(slots):
             if 0 <= slot < num_pages * page_size:
                 page, offset = divmod(int(slot), page_size)
@@ -612,13 +695,17 @@ def _write_kv_nvfp4(key, value, key_cache, value_cache, slots, key_scale, value_
     return kc, vc, kb, vb
 
 
-def _dequantize_pages_nvfp4(key_cache, value_cache, block_table, key_scale, value_scale, dtype,
-                            layout, null_page, key_scale_cache, value_scale_cache, out_scale):
-    """:func:`dequantize_pages` of an nvfp4 cache: pages of ``2 x`` the caches' last dimension."""
+def _dequantize_pages_blocks(key_cache, value_cache, block_table, key_scale, value_scale, dtype,
+                             layout, null_page, key_scale_cache, value_scale_cache, out_scale,
+                             fmt):
+    """:func:`dequantize_pages` of a block-scaled cache: pages of ``codes_per_byte x`` the
+    caches' last dimension."""
     table = np.asarray(block_table).astype(np.int64)
     results = []
-    for cache, scale, blocks in ((key_cache, key_scale, key_scale_cache),
-                                 (value_cache, value_scale, value_scale_cache)):
+    for side, cache, scale, blocks in (("key", key_cache, key_scale, key_scale_cache),
+                                       ("value", value_cache, value_scale, value_scale_cache)):
+        if not fmt.packed:
+            check_no_static_scale(scale, blocks, f"{side}_scale")
         cache = np.asarray(cache)
         pages = _pages_view(cache.view(np.uint8), layout)
         scales = _pages_view(np.asarray(blocks).view(np.uint8), layout)
@@ -626,10 +713,12 @@ def _dequantize_pages_nvfp4(key_cache, value_cache, block_table, key_scale, valu
         g = _scale_array(scale, num_heads)
 
         def page_values(page):   # called within this iteration: its variables are current
-            return dequantize_nvfp4(pages[page], scales[page], g, dtype, out_scale)
+            if fmt.packed:
+                return dequantize_nvfp4(pages[page], scales[page], g, dtype, out_scale)
+            return dequantize_mxfp8(pages[page], scales[page], dtype)
 
-        results.append(_compact_pages(table, null_page, pages.shape, 2 * width, dtype, cache.ndim,
-                                      layout, page_values))
+        results.append(_compact_pages(table, null_page, pages.shape, fmt.codes_per_byte * width,
+                                      dtype, cache.ndim, layout, page_values))
     return results[0], results[1], _renumbered_table(table)
 
 

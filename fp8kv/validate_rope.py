@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arrays import ArrayInfo, fmt_shape
-from .formats import E4M3, FORMAT_OF_DTYPE, INPUT_DTYPES, SLOT_DTYPES, Format
+from .formats import (E4M3, FORMAT_OF_DTYPE, FORMATS, FP8_FORMATS, INPUT_DTYPES, SLOT_DTYPES,
+                      Format)
 from .modes import SideScale
 from .validate import (WriteArgs, check_choice, check_contiguous, check_dtype,
                        check_nonnegative_strides, check_out, check_same_device, check_scale,
@@ -118,6 +119,13 @@ def check_rope_write(query, key, value, key_cache=None, value_cache=None, slots=
         raise ValueError(f"query: expected rank 3 [num_tokens, num_heads, head_dim], got shape "
                          f"{fmt_shape(query.shape)}")
     check_unit_last_stride(query, "query")
+    if isinstance(fp8_format, str) and fp8_format in FORMATS and fp8_format not in FP8_FORMATS:
+        # A block-scaled format: write_kv's cache_format names it; this op has none.
+        names = ", ".join(repr(n) for n in FP8_FORMATS)
+        raise ValueError(f"fp8_format: expected {names} or None (rope_write_kv writes the FP8 "
+                         f"formats and takes no cache_format; write a {fp8_format} cache with "
+                         f"write_kv(..., cache_format={fp8_format!r}) of the rotated key), got "
+                         f"{fp8_format!r}")
     write = check_write(key, value, key_cache, value_cache, slots, key_scale, value_scale,
                         layout=layout, fp8_format=fp8_format, kv_cache=kv_cache,
                         key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache,

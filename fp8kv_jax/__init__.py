@@ -162,14 +162,18 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
         Debugging aid (off by default): read ``slots`` on the host and raise ``ValueError`` if a
         slot is past the cache (instead of skipping it). Needs concrete arrays: refused
         (``TypeError``) under ``jax.jit``.
-    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
+    cache_format : {None, "e4m3", "e5m2", "nvfp4", "mxfp8"}
         The cache's format (pass it or ``fp8_format``, not both). ``"nvfp4"`` (docs/SPEC.md
         section 13): ``uint8`` caches of ``head_dim / 2`` bytes per head row (NHD
         ``[num_pages, page_size, H, D/2]``, HND ``[num_pages, H, page_size, D/2]``,
         ``[num_slots, H, D/2]``; ``head_dim`` a multiple of 16), two E2M1 codes per byte;
         ``key_scale_cache``/``value_scale_cache`` (required) hold the e4m3 block scales,
         ``float8_e4m3fn`` or ``uint8`` arrays of the caches' shape with last dim ``D/16``;
-        ``key_scale``/``value_scale`` are the global scales.
+        ``key_scale``/``value_scale`` are the global scales. ``"mxfp8"`` (section 13a): e4m3
+        codes, ``float8_e4m3fn`` or ``uint8`` caches (``head_dim`` a multiple of 32);
+        ``key_scale_cache``/``value_scale_cache`` (required) hold one E8M0 power-of-two scale
+        per 32 elements, ``uint8`` arrays of the caches' shape with last dim ``D/32``; no
+        ``key_scale``/``value_scale``.
     layer : None, int or jax.Array
         Stacked caches (docs/SPEC.md section 14): given, every cache (and side scale array) has
         a leading layer axis, ``[num_layers, ...]`` with ``...`` as above, and the tokens go to
@@ -184,9 +188,9 @@ def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache
         The caches with the tokens written; every byte that no written slot names is unchanged.
         With ``layer``, the whole stacks (every other layer unchanged).
     key_scale_cache, value_scale_cache : jax.Array or None
-        Only when a side scale array is given (for K or V; always for nvfp4: the block scales):
-        the arrays with the written tokens' scales (None for a side without a side array).
-        Donate them like the caches.
+        Only when a side scale array is given (for K or V; always for nvfp4 and mxfp8: the
+        block scales): the arrays with the written tokens' scales (None for a side without a
+        side array). Donate them like the caches.
 
     Note
     ----
@@ -310,10 +314,11 @@ def dequantize_pages(key_cache: jax.Array, value_cache: jax.Array, block_table: 
         Debugging aid (off by default): read ``block_table`` on the host and raise
         ``ValueError`` if an entry is past the cache (instead of giving a zero page). Needs
         concrete arrays: refused (``TypeError``) under ``jax.jit``.
-    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
+    cache_format : {None, "e4m3", "e5m2", "nvfp4", "mxfp8"}
         As in :func:`write_kv`. ``"nvfp4"``: block scales in ``key_scale_cache`` /
         ``value_scale_cache``, global scales in ``key_scale`` / ``value_scale``; the pages hold
-        ``head_dim = 2 x`` the caches' last dimension elements per head row.
+        ``head_dim = 2 x`` the caches' last dimension elements per head row. ``"mxfp8"``: the
+        E8M0 block scales in ``key_scale_cache`` / ``value_scale_cache``, no static scales.
     out_scale : None, float or jax.Array
         With ``dtype=jnp.float8_e4m3fn``: the FP8 output's dequant scale, ``out =
         e4m3(value / out_scale)`` (a float32 ``[]``/``[1]`` array may be traced).
@@ -577,8 +582,8 @@ def paged_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Arr
     sinks : jax.Array, optional
         ``[num_heads]`` float32: a logit per query head added to the softmax's denominator.
     key_scale_cache, value_scale_cache : None, jax.Array or "inline"
-        Dynamic scales as :func:`write_kv` stored them; nvfp4: the block scales.
-    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
+        Dynamic scales as :func:`write_kv` stored them; nvfp4, mxfp8: the block scales.
+    cache_format : {None, "e4m3", "e5m2", "nvfp4", "mxfp8"}
         The format of a uint8 cache (None: the cache's dtype, or e4m3).
     layout : {"NHD", "HND"}
     head_dim : int, optional

@@ -120,8 +120,53 @@ def _dynamic_scales(x, fmt, per_head: bool, pow2: bool):
     return s
 
 
+def _fp32_bits(x):
+    """``x`` (bf16, fp16, fp32) as fp32 bit patterns (uint32): bf16 by a shift of its bits, so
+    that no float operation sees a subnormal (XLA:CPU flushes them)."""
+    if x.dtype == jnp.bfloat16:
+        return lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+
+
+def _quantize_mxfp8(x, fmt):
+    """``(codes [T, H, D], E8M0 codes [T, H, D / 32])``, as
+    :func:`fp8kv.reference.quantize_mxfp8`: the amax and its exponent on the bits, the quotient
+    by the power of two with :func:`mul_rn` (exact on subnormal inputs, which XLA:CPU's float
+    operations would flush)."""
+    t, h, d = x.shape
+    size = fmt.blocks.size
+    u = _fp32_bits(x).reshape(t, h, d // size, size)
+    amax = (u & jnp.uint32(0x7FFFFFFF)).max(axis=-1)
+    e = jnp.where(amax >= 0x7F800000, jnp.uint32(255),
+                  jnp.maximum((amax >> 23).astype(jnp.int32) - 8, 0).astype(jnp.uint32))
+    r = jnp.where(e == 255, jnp.uint32(CANONICAL_NAN_BITS["float32"]), (254 - e) << 23)
+    q = mul_rn(lax.bitcast_convert_type(u, jnp.float32),
+               lax.bitcast_convert_type(r, jnp.float32)[..., None])
+    return _quantize(q, None, fmt).reshape(t, h, d), e.astype(jnp.uint8)
+
+
+def _e8m0_values(e):
+    """fp32 ``2**(e - 127)`` of E8M0 bytes (0: the subnormal 2**-127; 0xFF: NaN)."""
+    e = e.astype(jnp.uint32)
+    bits = jnp.where(e == 255, jnp.uint32(CANONICAL_NAN_BITS["float32"]),
+                     jnp.where(e == 0, jnp.uint32(0x00400000), e << 23))
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _dequantize_mxfp8(codes, e, fmt, out_dtype: str, keep):
+    """As :func:`fp8kv.reference.dequantize_mxfp8`, zeros where ``keep`` is False: the product
+    by ``2**(e - 127)`` with :func:`mul_rn` (exact for a subnormal scale or product)."""
+    v = lax.bitcast_convert_type(codes, jnp.dtype(fmt.dtype)).astype(jnp.float32)
+    size = fmt.blocks.size
+    v = v.reshape(v.shape[:-1] + (v.shape[-1] // size, size))
+    v = mul_rn(v, _e8m0_values(e)[..., None]).reshape(codes.shape)
+    return _round_output(v, out_dtype, keep)
+
+
 def _quantize_side(x, array, scale: SideScale, args):
     """``(codes [T, H, D or D + pad], dynamic scales or None)`` of one side."""
+    if scale.dynamic is ScaleKind.BLOCK:
+        return _quantize_mxfp8(x, args.fmt)
     if not scale.is_dynamic:
         return _quantize(x, _scale(array, scale, 1), args.fmt), None
     per_head = scale.dynamic is ScaleKind.TOKEN_HEAD
@@ -156,9 +201,10 @@ def write_kv(arrays: dict, *, args) -> dict:
                "value_cache": _scatter(arrays["value_cache"], index, qv)}
     for side, s, scale in (("key", sk, args.key_scale), ("value", sv, args.value_scale)):
         if scale.stored is not None:
-            # A side array is indexed as its cache without head_dim; a per-token one ([P, S] in
+            # A side array is indexed as its cache without head_dim (block scales: as its cache);
+            # a per-token one ([P, S] in
             # either layout) as an NHD cache without heads.
-            layout = args.layout if scale.dynamic is ScaleKind.TOKEN_HEAD else "NHD"
+            layout = args.layout if scale.dynamic is not ScaleKind.TOKEN else "NHD"
             sc = arrays[f"{side}_scale_cache"]
             out[f"{side}_scale_cache"] = sc.at[_layered(layer, _slot_index(
                 slots, args.key_cache, layout, rank, False))].set(s, mode="drop")
@@ -216,6 +262,10 @@ def dequantize_pages(arrays: dict, *, args) -> dict:
     sides = []
     for c, side, scale in ((codes[0], "key", args.key_scale), (codes[1], "value", args.value_scale)):
         s = _scale(arrays[f"{side}_scale"], scale, trailing)
+        if scale.dynamic is ScaleKind.BLOCK:   # mxfp8: the block scales' bytes, as the codes
+            e = _gather(arrays[f"{side}_scale_cache"], index, num_pages, layer)
+            sides.append(_dequantize_mxfp8(c, e, args.fmt, args.out_dtype, keep))
+            continue
         if scale.is_dynamic:
             c, s = _stored_scales(arrays[f"{side}_scale_cache"], c, index, num_pages,
                                   scale.dynamic, args, layer)

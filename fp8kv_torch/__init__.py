@@ -99,14 +99,18 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
         ``slots`` on the host and raise ``ValueError`` if a slot is past the cache (instead of
         skipping it). A device sync: refused (``RuntimeError``) inside CUDA-graph capture and
         under ``torch.compile``.
-    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
+    cache_format : {None, "e4m3", "e5m2", "nvfp4", "mxfp8"}
         The cache's format (pass it or ``fp8_format``, not both). ``"nvfp4"`` (docs/SPEC.md
         section 13): ``uint8`` caches of ``head_dim / 2`` bytes per head row (NHD
         ``[num_pages, page_size, H, D/2]``, HND ``[num_pages, H, page_size, D/2]``,
         ``[num_slots, H, D/2]``; ``head_dim`` a multiple of 16), two E2M1 codes per byte;
         ``key_scale_cache``/``value_scale_cache`` (required) hold the e4m3 block scales,
         ``float8_e4m3fn`` or ``uint8`` tensors of the caches' shape with last dim ``D/16``;
-        ``key_scale``/``value_scale`` are the global scales.
+        ``key_scale``/``value_scale`` are the global scales. ``"mxfp8"`` (section 13a): e4m3
+        codes, ``float8_e4m3fn`` or ``uint8`` caches (``head_dim`` a multiple of 32);
+        ``key_scale_cache``/``value_scale_cache`` (required) hold one E8M0 power-of-two scale
+        per 32 elements, ``uint8`` tensors of the caches' shape with last dim ``D/32``; no
+        ``key_scale``/``value_scale``.
     layer : None, int or torch.Tensor
         Stacked caches (docs/SPEC.md section 14): given, every cache (and side scale array) has
         a leading layer axis, ``[num_layers, ...]`` with ``...`` as above, and the tokens go to
@@ -244,10 +248,11 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
         Debugging aid (off by default): read ``block_table`` on the host and raise
         ``ValueError`` if an entry is past the cache (instead of giving a zero page). A device
         sync: refused (``RuntimeError``) inside CUDA-graph capture and under ``torch.compile``.
-    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
+    cache_format : {None, "e4m3", "e5m2", "nvfp4", "mxfp8"}
         As in :func:`write_kv`. ``"nvfp4"``: the block scales in ``key_scale_cache`` /
         ``value_scale_cache``, the global scales in ``key_scale`` / ``value_scale``; the pages
-        hold ``head_dim = 2 x`` the caches' last dimension elements per head row.
+        hold ``head_dim = 2 x`` the caches' last dimension elements per head row. ``"mxfp8"``:
+        the E8M0 block scales in ``key_scale_cache`` / ``value_scale_cache``, no static scales.
     out_scale : None, float or torch.Tensor
         With ``dtype=torch.float8_e4m3fn``: the FP8 output's dequant scale, ``out =
         e4m3(value / out_scale)`` (a float32 ``[]``/``[1]`` tensor is read on the device).
@@ -515,8 +520,8 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     key_scale_cache, value_scale_cache : None, torch.Tensor or "inline"
         Dynamic scales as :func:`write_kv` stored them (float32 ``[num_pages, page_size,
         num_kv_heads]`` NHD / ``[num_pages, num_kv_heads, page_size]`` HND per token-head,
-        ``[num_pages, page_size]`` per token, or ``"inline"``); nvfp4: the block scales.
-    cache_format : {None, "e4m3", "e5m2", "nvfp4"}
+        ``[num_pages, page_size]`` per token, or ``"inline"``); nvfp4, mxfp8: the block scales.
+    cache_format : {None, "e4m3", "e5m2", "nvfp4", "mxfp8"}
         The format of a uint8 cache (None: the cache's dtype, or e4m3).
     layout : {"NHD", "HND"}
     head_dim : int, optional

@@ -19,7 +19,7 @@ POISON_PAGE = 2**30   # block-table entries past a sequence's pages: never read
 
 @dataclass(frozen=True)
 class AttentionCase:
-    cache: str = "e4m3"          # e4m3 | e5m2 | nvfp4 | bfloat16 | float16
+    cache: str = "e4m3"          # e4m3 | e5m2 | nvfp4 | mxfp8 | bfloat16 | float16
     scale: str = "value"         # value | tensor | head | token | token_head | inline | inline16
     query_dtype: str = "bfloat16"
     layout: str = "NHD"
@@ -100,6 +100,19 @@ def build(case: AttentionCase) -> dict:
                                             layout=case.layout, key_scale_cache=kb,
                                             value_scale_cache=kb.copy(), cache_format="nvfp4")
         kwargs.update(key_scale=g_k, value_scale=g_v, cache_format="nvfp4")
+        sides = (kb, vb)
+    elif case.cache == "mxfp8":
+        # Blocks of 32 at powers of two 2**-12 .. 2**12 apart: block scales that vary along a row.
+        blocks = (len(slots), h, d // 32, 1)
+        kx, vx = ((x.astype(np.float32).reshape(blocks[:3] + (32,))
+                   * np.float32(2.0) ** rng.integers(-12, 13, blocks)).reshape(x.shape)
+                  for x in (kx, vx))
+        kc = np.zeros(_page_shape(case, num_pages, d), np.uint8).view(FP8_DTYPES["e4m3"])
+        kb = np.zeros(_page_shape(case, num_pages, d // 32), np.uint8)
+        kc, vc, kb, vb = reference.write_kv(kx, vx, kc, kc.copy(), slots, layout=case.layout,
+                                            key_scale_cache=kb, value_scale_cache=kb.copy(),
+                                            cache_format="mxfp8")
+        kwargs.update(cache_format="mxfp8")
         sides = (kb, vb)
     else:
         fmt_dtype = FP8_DTYPES[case.cache]

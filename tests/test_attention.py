@@ -5,6 +5,8 @@ bytes; CUDA graphs, torch.compile; bad inputs.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -44,6 +46,7 @@ CASES = [
     AttentionCase(soft_cap=4.0, sinks=True, seq_lens=(30, 0), head_dim=32, page_size=4),
     AttentionCase(head_dim=80, seq_lens=(30,), page_size=16, num_heads=2, num_kv_heads=2),
     AttentionCase(seq_lens=(150,), head_dim=32, page_size=16, num_heads=2, num_kv_heads=1),
+    AttentionCase(cache="mxfp8", seq_lens=(21, 9), head_dim=64, page_size=8, layout="HND"),
 ]
 
 
@@ -129,6 +132,16 @@ def _random_case(rng) -> AttentionCase:
 
 
 RANDOM_CASES = [_random_case(np.random.default_rng(seed)) for seed in range(40)]
+
+
+def _random_mxfp8_case(seed) -> AttentionCase:
+    """A random configuration read from an mxfp8 cache (head_dim a multiple of 32)."""
+    case = _random_case(np.random.default_rng(1000 + seed))
+    return replace(case, cache="mxfp8", scale="value", query_dtype="bfloat16",
+                   head_dim=case.head_dim if case.head_dim % 32 == 0 else 96)
+
+
+RANDOM_CASES += [_random_mxfp8_case(seed) for seed in range(12)]
 
 
 @requires_cuda
@@ -309,6 +322,9 @@ def _compile_variants():
         ("token-head", arrays(AttentionCase(scale="token_head"))),
         ("inline", arrays(AttentionCase(scale="inline"))),
         ("nvfp4", arrays(AttentionCase(cache="nvfp4", head_dim=128))),
+        ("mxfp8", arrays(AttentionCase(cache="mxfp8", head_dim=128))),
+        ("mxfp8-split-layers-d96", arrays(AttentionCase(cache="mxfp8", head_dim=96, layers=2,
+                                                        layer=1, seq_lens=(64,) * 3))),
         ("combined-layers", arrays(AttentionCase(combined=True, layers=2, layer=1))),
     ]
 
@@ -334,7 +350,8 @@ def test_kernels_compile_for_sm90(name, arrays):
         assert "cvt.rn.f16x2.e4m3x2" in ptx
     if name == "nvfp4":
         assert "prmt.b32" in ptx
-    assert "mma.sync" in ptx or "wgmma" in ptx
+    if not name.startswith("mxfp8"):   # mxfp8: IEEE fp32 dots (its operands need fp32)
+        assert "mma.sync" in ptx or "wgmma" in ptx
     if plan.merge is not None:
         merge = merge_operands(args)
         compile_for_hopper(ops._attention_merge_kernel,

@@ -50,10 +50,12 @@ CASES = [
                   num_heads=4, num_kv_heads=1),
     AttentionCase(soft_cap=4.0, sinks=True, seq_lens=(30, 0), head_dim=32, page_size=4),
     AttentionCase(head_dim=80, seq_lens=(30,), page_size=16, num_heads=2, num_kv_heads=2),
+    AttentionCase(cache="mxfp8", seq_lens=(21, 9), head_dim=64, page_size=8, layout="HND"),
 ]
 # What the launch code must get right: scales on the device, a split call (merge kernel),
 # nvfp4's block scales, a combined cache, a host layer made a device scalar.
 GPU_PATH_CASES = [CASES[0], CASES[5], CASES[8], CASES[9], CASES[10]]
+GPU_PATH_CASES += [CASES[-1]]   # mxfp8's block scales and fp32 operands
 
 
 def attend(call: dict, fn=None, **kw):

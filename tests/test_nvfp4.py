@@ -319,7 +319,7 @@ WRITE_ERRORS = [
     ("both-formats", _with(fp8_format="e4m3"), ValueError,
      r"cache_format: expected None when fp8_format is given"),
     ("unknown-format", _with(cache_format="fp4"), ValueError,
-     r"cache_format: expected 'e4m3', 'e5m2', 'nvfp4' or None, got 'fp4'"),
+     r"cache_format: expected 'e4m3', 'e5m2', 'nvfp4', 'mxfp8' or None, got 'fp4'"),
     ("pow2", _with(scale_rounding="pow2"), ValueError,
      r"scale_rounding: expected 'exact' for cache_format='nvfp4'"),
     ("scale-zero", _with(value_scale=0.0), ValueError,

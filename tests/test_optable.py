@@ -87,13 +87,15 @@ def _infos(op: str, variant: str) -> dict:
         return ArrayInfo.contiguous(shape, dtype, "cuda:0")
 
     nvfp4, stacked = variant == "nvfp4", variant.startswith("layer")
-    dim = 20 if variant == "inline" else 8 if nvfp4 else 16
+    mxfp8 = variant == "mxfp8"   # head_dim 32: one block
+    dim = 20 if variant == "inline" else 8 if nvfp4 else 32 if mxfp8 else 16
+    hd = 32 if mxfp8 else 16
     page = ((3,) if stacked else ()) + (4, 4, 2)
     caches = ({"kv_cache": array(page[:-2] + (2,) + page[-2:] + (dim,), "uint8")}
               if op.endswith("_combined")
               else dict.fromkeys(("key_cache", "value_cache"), array(page + (dim,), "uint8")))
-    named = {**caches, "key": array((3, 2, 16)), "value": array((3, 2, 16)),
-             "slots": array((3,), "int32"), "query": array((3, 4, 16)),
+    named = {**caches, "key": array((3, 2, hd)), "value": array((3, 2, hd)),
+             "slots": array((3,), "int32"), "query": array((3, 4, hd)),
              "positions": array((3,), "int32"), "cos_sin_cache": array((8, 16), "float32"),
              "block_table": array((2, 2), "int32"), "key_scale": 1.0, "value_scale": 0.5,
              "layout": "NHD", "fp8_format": None, "scale_rounding": "exact", "dtype": "bfloat16",
@@ -112,6 +114,10 @@ def _infos(op: str, variant: str) -> dict:
     elif nvfp4:               # one e4m3 block scale per 16 elements
         named.update(key_scale_cache=array(page + (1,), "uint8"),
                      value_scale_cache=array(page + (1,), "uint8"), cache_format="nvfp4")
+    elif mxfp8:               # one E8M0 block scale per 32 elements, no static scales
+        named.update(key_scale_cache=array(page + (1,), "uint8"),
+                     value_scale_cache=array(page + (1,), "uint8"), cache_format="mxfp8",
+                     key_scale=None, value_scale=None)
     elif variant == "inline":
         named.update(key_scale_cache="inline", value_scale_cache="inline", key_scale=None,
                      value_scale=None, head_dim=16)
@@ -125,10 +131,10 @@ def _infos(op: str, variant: str) -> dict:
 
 def _variants(op: str):
     family = OPS[op].family
-    extra = {"write_kv": ["nvfp4", "layer-host", "layer-device"],
-             "dequantize_pages": ["nvfp4", "layer-host", "layer-device"],
+    extra = {"write_kv": ["nvfp4", "mxfp8", "layer-host", "layer-device"],
+             "dequantize_pages": ["nvfp4", "mxfp8", "layer-host", "layer-device"],
              "rope_write_kv": ["given"],
-             "paged_attention": ["nvfp4", "layer-host", "layer-device"]}[family]
+             "paged_attention": ["nvfp4", "mxfp8", "layer-host", "layer-device"]}[family]
     return ["host", "device", "side", "inline"] + extra
 
 

@@ -641,3 +641,65 @@ def test_stacked_kernels_compile_for_sm90_with_16_byte_accesses(where, scales, i
     assert "ftz" not in " ".join(found)
     if scales == "static":
         assert {"ld.global.v4.b32", "st.global.v4.b32"} <= found, found
+
+
+# MXFP8 (docs/SPEC.md section 13a): the FP8 kernels with E8M0 block scales (a dynamic kind).
+MXFP8_VARIANTS = [  # (dtype, layout, cache dtype, heads, head_dim, page_size, tokens, layer)
+    ("bfloat16", "NHD", "float8_e4m3fn", 8, 128, 16, 4096, None),
+    ("float16", "HND", "uint8", 5, 160, 16, 7, None),
+    ("float32", "3D", "uint8", 1, 32, 1, 3, None),
+    ("bfloat16", "NHD", "uint8", 1, 576, 64, 64, "device"),
+    ("bfloat16", "HND", "float8_e4m3fn", 4, 64, 16, 16, "host"),
+]
+
+
+def _mxfp8_args(variant, combined=False):
+    dtype, layout, cache_dtype, heads, head_dim, page_size, tokens, layer = variant
+    api_layout = "NHD" if layout == "3D" else layout
+    pages = tokens // page_size + 8
+    shape = _nvfp4_shape(layout, pages, page_size, heads, head_dim)
+    stack = (3,) if layer else ()
+    blocks = ArrayInfo.contiguous(stack + shape[:-1] + (head_dim // 32,), "uint8", "cuda:0")
+    cache = ArrayInfo.contiguous(stack + shape, cache_dtype, "cuda:0")
+    caches = (dict(kv_cache=ArrayInfo.contiguous((shape[0], 2) + shape[1:], cache_dtype,
+                                                 "cuda:0"))
+              if combined else dict(key_cache=cache, value_cache=cache))
+    x = ArrayInfo.contiguous((tokens, heads, head_dim), dtype, "cuda:0")
+    slots = ArrayInfo.contiguous((tokens,), "int64", "cuda:0")
+    where = (None if layer is None else 1 if layer == "host"
+             else ArrayInfo.contiguous((), "int32", "cuda:0"))
+    kw = dict(layout=api_layout, fp8_format=None, cache_format="mxfp8", key_scale_cache=blocks,
+              value_scale_cache=blocks, layer=where)
+    args = check_write(x, x, slots=slots, **caches, **kw)
+    table = ArrayInfo.contiguous((4, 8), "int32", "cuda:0")
+    dcaches = ({"kv_cache": caches["kv_cache"]} if combined
+               else dict(key_cache=cache, value_cache=cache))
+    dargs = check_dequantize(block_table=table, dtype="bfloat16", null_page=None, **dcaches, **kw)
+    return args, dargs
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+@pytest.mark.parametrize("variant", MXFP8_VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_mxfp8_kernels_compile_for_sm90(variant, combined, exact):
+    if combined and variant[-1] is not None:
+        pytest.skip("stacked caches are separate here (the FP8 stacked tests cover combined)")
+    args, dargs = _mxfp8_args(variant, combined)
+    cache_dtype = variant[2]
+    plan = plan_write(args, CUDA, exact)
+    assert plan.kernel == "_write_kv_kernel"
+    assert plan.constexprs["CACHE"].KEY.DYNAMIC == ScaleKind.BLOCK.id
+    compiled = compile_for_hopper(
+        ops._write_kv_kernel, write_arrays(args, variant[0], cache_dtype, "int64", "uint8"), plan)
+    found = ptx_ops(compiled)
+    assert ".ftz" not in compiled.asm["ptx"]   # subnormal inputs and quotients kept
+    if not exact:   # e4m3 codes by the saturating conversion; no division at all
+        assert any(op.startswith("cvt.rn.satfinite.e4m3") for op in found), found
+        assert not any(op.startswith("div.") for op in found), found
+    out = ArrayInfo.contiguous(dequantized_shape(dargs, combined), "bfloat16", "cuda:0")
+    dplan = plan_dequantize(dargs, out, None if combined else out, CUDA, exact)
+    assert dplan.kernel == "_dequantize_pages_kernel"
+    compiled = compile_for_hopper(
+        ops._dequantize_pages_kernel, dequant_arrays(dargs, cache_dtype, "int32", "uint8",
+                                                     "bfloat16"), dplan)
+    assert ".ftz" not in compiled.asm["ptx"]   # the subnormal scale 2**-127 and products kept

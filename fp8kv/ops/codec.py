@@ -38,6 +38,7 @@ SCALE_TENSOR: tl.constexpr = tl.constexpr(ScaleKind.TENSOR.id)
 SCALE_HEAD: tl.constexpr = tl.constexpr(ScaleKind.HEAD.id)
 SCALE_TOKEN: tl.constexpr = tl.constexpr(ScaleKind.TOKEN.id)
 SCALE_TOKEN_HEAD: tl.constexpr = tl.constexpr(ScaleKind.TOKEN_HEAD.id)
+SCALE_BLOCK: tl.constexpr = tl.constexpr(ScaleKind.BLOCK.id)
 SCALE_FLOOR: tl.constexpr = tl.constexpr(formats.DYNAMIC_SCALE_FLOOR)
 OUT_BFLOAT16: tl.constexpr = tl.constexpr(int(OutKind.BFLOAT16))
 OUT_FLOAT16: tl.constexpr = tl.constexpr(int(OutKind.FLOAT16))
@@ -398,6 +399,93 @@ def dynamic_scale(amax, FMT: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constex
         keep = ((u & 0x7FFFFF) == 0) | (u >= 0x7F800000)
         s = tl.where(keep, u, up).to(tl.float32, bitcast=True)
     return s
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP8 (docs/SPEC.md section 13a): e4m3 codes, one E8M0 scale per block of 32.
+
+@jit
+def mxfp8_block_scales(x):
+    """``(e, r)`` of the blocks of ``x`` (fp32 ``[T, H, NB, block size]``): ``e`` the E8M0 code
+    (int32 ``[T, H, NB]``) and ``r = 2**(127 - e)`` the reciprocal of its scale, broadcastable
+    to ``x`` (NaN for ``e = 0xFF``).
+
+    All on the bits: ``|x|``'s bit patterns order as its magnitudes, and NaN and the infinities
+    are the patterns from 0x7F800000 up, so one integer maximum is both the amax and the
+    non-finite test -- no float maximum, whose NaN handling differs between the GPU and the
+    interpreter. ``e = max(exponent field - 8, 0)`` (subnormal and zero amax: field 0), at most
+    246, so ``r`` is a normal fp32 (2**-119 .. 2**127): the product ``x r`` is ``RN(x / X)``.
+    """
+    a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    amax = tl.reduce(a, 3, max_combine)
+    e = tl.where(amax >= 0x7F800000, 255, tl.maximum((amax >> 23) - 8, 0))
+    r = tl.where(e == 255, NAN_BITS_FP32, (254 - e) << 23).to(tl.float32, bitcast=True)
+    return e, r[:, :, :, None]
+
+
+@jit
+def mxfp8_quotient(x, e, r, EXACT: tl.constexpr):
+    """``x / 2**(e - 127)`` for the e4m3 code (:func:`encode`): ``x r`` (``r``:
+    :func:`mxfp8_block_scales`'), NaN where ``e`` is 0xFF. ``e``, ``r`` broadcastable to ``x``.
+
+    The exact path works on the bits, so that no float operation sees a subnormal: a host that
+    flushes them (the interpreter inside an XLA:CPU callback runs with its thread's
+    flush-to-zero flags) then still gives the GPU's bytes. ``k = 127 - e``; a normal ``x`` gets
+    ``k`` added to its exponent field; a subnormal one (mantissa ``m``, ``x = m 2**-149``) is
+    ``float(m) * 2**(k - 149)``, two normal operands with a normal product, where ``k >= 24``;
+    every other quotient is below 2**-126, whose e4m3 code is ``+-0`` -- what the GPU's product
+    gives it -- and is written as the signed zero.
+    """
+    if EXACT:
+        u = x.to(tl.int32, bitcast=True)
+        a = u & 0x7FFFFFFF
+        sign = u & -2147483648                                    # int32 0x80000000
+        exp = a >> 23
+        k = 127 - e
+        scaled = exp + k
+        y = tl.where(scaled >= 1, (scaled << 23) | (a & 0x7FFFFF), 0)
+        f = tl.where(k >= 24, (k - 22) << 23, 0).to(tl.float32, bitcast=True)
+        sub = ((a & 0x7FFFFF).to(tl.float32) * f).to(tl.int32, bitcast=True)
+        y = tl.where(exp == 0, tl.where(k >= 24, sub, 0), y) | sign
+        q = tl.where(e == 255, NAN_BITS_FP32, y).to(tl.float32, bitcast=True)
+    else:
+        q = x * r
+    return q
+
+
+@jit
+def mxfp8_values(v, e, EXACT: tl.constexpr):
+    """``v * 2**(e - 127)`` of e4m3 values ``v`` (:func:`decode`) and E8M0 codes ``e`` (int32
+    0..255, broadcastable): exact (an e4m3 value has at most 4 significant bits, and the
+    smallest product, 2**-136, is on fp32's subnormal grid), +-inf past fp32's range, NaN for a
+    NaN ``v`` or ``e = 0xFF``.
+
+    The fast path multiplies by :func:`e8m0_values`; the exact path adds ``e - 127`` to the
+    exponent field and shifts the significand into a subnormal result (losing no bit), so that
+    no float operation sees a subnormal (see :func:`mxfp8_quotient`).
+    """
+    if EXACT:
+        u = v.to(tl.int32, bitcast=True)
+        a = u & 0x7FFFFFFF
+        exp = a >> 23
+        scaled = exp + (e - 127)
+        normal = (scaled << 23) | (a & 0x7FFFFF)
+        sub = ((a & 0x7FFFFF) | 0x800000) >> tl.minimum(1 - scaled, 31)
+        y = tl.where(scaled >= 255, 0x7F800000, tl.where(scaled >= 1, normal, sub))
+        y = tl.where(a == 0, 0, y)
+        y = tl.where((a > 0x7F800000) | (e == 255), NAN_BITS_FP32, y | (u & -2147483648))
+        out = y.to(tl.float32, bitcast=True)
+    else:
+        out = v * e8m0_values(e)
+    return out
+
+
+@jit
+def e8m0_values(e):
+    """fp32 ``2**(e - 127)`` of E8M0 codes ``e`` (int32 0..255): ``e = 0`` the subnormal
+    2**-127, 0xFF NaN. Built from bits."""
+    bits = tl.where(e == 255, NAN_BITS_FP32, tl.where(e == 0, 0x00400000, e << 23))
+    return bits.to(tl.float32, bitcast=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,17 +17,19 @@ each buffer one output). Stacked caches move the cache and scale pointers to the
 first (:mod:`fp8kv.ops.addressing`); an out-of-range layer reads nothing (zero pages).
 
 Static scales take flat chunks (:func:`_dequantize_flat`). Dynamic scales (a side's dynamic kind
-TOKEN or TOKEN_HEAD, ``TILE.ROWWISE``) take ``[ROWS, BLOCK_D]`` tiles of whole head rows
+TOKEN, TOKEN_HEAD or BLOCK, ``TILE.ROWWISE``) take ``[ROWS, BLOCK_D]`` tiles of whole head rows
 (:func:`_dequantize_rows`): each row's scale is read once, from a side array (per token its head
 stride is 0) or, with ``CACHE.INLINE_PAD``, from the 4 little-endian bytes after the row's
-``HEAD_DIM`` codes; then ``CHUNKS = cdiv(page_size * num_heads, ROWS)``.
+``HEAD_DIM`` codes; mxfp8's block scales (BLOCK) are a row's bytes of its side array, one per
+block of its codes (:func:`_block_scales`); then ``CHUNKS = cdiv(page_size * num_heads, ROWS)``.
 """
 import triton.language as tl
 
 from ._dual import jit
 from .addressing import (LAYER_NONE, at_layer, head_rows, output_bits, page_at, page_offsets,
                          page_rows, renumber, select_layer, table_entry)
-from .codec import SCALE_HEAD, SCALE_NONE, decode, fp32_to_output_bits, load_scale
+from .codec import (SCALE_BLOCK, SCALE_HEAD, SCALE_NONE, decode, fp32_to_output_bits,
+                    load_scale, mxfp8_values)
 
 
 @jit(do_not_specialize=["pages_per_seq", "layer"])
@@ -156,6 +158,15 @@ def _row_scale(scale_ptr, scale_value, codes, row, slot, head, mask, SIDE: tl.co
 
 
 @jit
+def _block_scales(scale_page, slot, head, d, mask, SIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """Block scales (mxfp8): each element's E8M0 byte (its block, ``d // BLOCK``, of its row)
+    as int32, ``[ROWS, BLOCK_D]`` (:func:`codec.mxfp8_values` applies them); ``scale_page``: the
+    page of the side's block-scale array."""
+    at = head_rows(slot, head, SIDE, True)[:, None] + (d // BLOCK)[None, :]
+    return tl.load(scale_page + at, mask=mask, other=127).to(tl.int32)
+
+
+@jit
 def _dequantize_rows(key, value, valid, chunk, CACHE: tl.constexpr, OUT: tl.constexpr,
                      ROWS: tl.constexpr, TILE: tl.constexpr, EXACT: tl.constexpr):
     """Dynamic scales: ``[ROWS, BLOCK_D]`` tiles, a row being one slot's head (layout order), so
@@ -179,10 +190,16 @@ def _dequantize_rows(key, value, valid, chunk, CACHE: tl.constexpr, OUT: tl.cons
                FMT, EXACT)
     v = decode(tl.load(vc + (v_row[:, None] + d[None, :]), mask=load_mask, other=0).to(tl.int32),
                FMT, EXACT)
-    if KEY.STATIC != SCALE_NONE or KEY.DYNAMIC != SCALE_NONE:
+    if KEY.DYNAMIC == SCALE_BLOCK:
+        k = mxfp8_values(k, _block_scales(ksc, slot, head, d, load_mask, SIDE=KEY,
+                                          BLOCK=FMT.BLOCK_SIZE), EXACT)
+    elif KEY.STATIC != SCALE_NONE or KEY.DYNAMIC != SCALE_NONE:
         k = k * _row_scale(ksc, key_scale_value, kc, k_row, slot, head, row_valid, SIDE=KEY,
                            HEAD_DIM=HEAD_DIM, INLINE_PAD=CACHE.INLINE_PAD)
-    if VALUE.STATIC != SCALE_NONE or VALUE.DYNAMIC != SCALE_NONE:
+    if VALUE.DYNAMIC == SCALE_BLOCK:
+        v = mxfp8_values(v, _block_scales(vsc, slot, head, d, load_mask, SIDE=VALUE,
+                                          BLOCK=FMT.BLOCK_SIZE), EXACT)
+    elif VALUE.STATIC != SCALE_NONE or VALUE.DYNAMIC != SCALE_NONE:
         v = v * _row_scale(vsc, value_scale_value, vc, v_row, slot, head, row_valid, SIDE=VALUE,
                            HEAD_DIM=HEAD_DIM, INLINE_PAD=CACHE.INLINE_PAD)
     # Padding pages are zeros (not 0 * scale, which is NaN for an inf scale).

@@ -14,7 +14,9 @@ Reading a tile: the token's page comes from the block table (tokens past the vis
 clamped to its last token, so no load reaches an unused page or block-table entry, and their
 scores are masked). Quantized formats become fp16 MMA operands exactly (e4m3 / e5m2 codes,
 NVFP4 codes times their block scale); the query becomes fp16 times a power of two; every other
-scale multiplies a score column, a probability column or the result (SPEC section 16.2).
+scale multiplies a score column, a probability column or the result (SPEC section 16.2). MXFP8
+codes times their E8M0 block scales (2**-127 .. 2**127 along a head row: no fp16 holds them)
+become fp32 operands, exactly, with an fp32 query, and take IEEE fp32 dots.
 
 Parameters follow the other kernels' order (input arrays, scalars, outputs, constexprs); the
 geometry comes as named-tuple constexprs (:mod:`fp8kv.attention` makes them).
@@ -23,7 +25,8 @@ import triton.language as tl
 
 from .. import attention
 from ._dual import jit
-from .codec import SCALE_HEAD, SCALE_TENSOR, fp32_to_output_bits, max_combine
+from .codec import (SCALE_HEAD, SCALE_TENSOR, decode, fp32_to_output_bits, max_combine,
+                    mxfp8_values)
 from .addressing import LAYER_NONE, at_layer, select_layer, slot_rows
 
 # The ids of fp8kv.attention: how a side's elements become MMA operands, where its dynamic
@@ -31,6 +34,7 @@ from .addressing import LAYER_NONE, at_layer, select_layer, slot_rows
 READ_PLAIN: tl.constexpr = tl.constexpr(attention.READ_PLAIN)
 READ_FP8: tl.constexpr = tl.constexpr(attention.READ_FP8)
 READ_NVFP4: tl.constexpr = tl.constexpr(attention.READ_NVFP4)
+READ_MXFP8: tl.constexpr = tl.constexpr(attention.READ_MXFP8)
 COLUMNS_NONE: tl.constexpr = tl.constexpr(attention.COLUMNS_NONE)
 COLUMNS_ARRAY: tl.constexpr = tl.constexpr(attention.COLUMNS_ARRAY)
 COLUMNS_INLINE: tl.constexpr = tl.constexpr(attention.COLUMNS_INLINE)
@@ -193,6 +197,11 @@ def read_tile(cache_ptr, side_ptr, rows, R: tl.constexpr, F: tl.constexpr,
             tile = plain_to_fp32(tile, R.plain_bf16)
     if R.kind == READ_FP8:
         tile = fp16_of_fp8(tile, F, TRANSPOSED, EXACT)
+    if R.kind == READ_MXFP8:   # e4m3 values times their blocks' 2**(e - 127), exact in fp32
+        e = tl.load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
+                    + (d // F.BLOCK_SIZE)[None, None, :], mask=(d < R.head_dim)[None, None, :],
+                    other=127)
+        tile = mxfp8_values(decode(tile.to(tl.int32), F, EXACT), e.to(tl.int32), EXACT)
     if R.columns == COLUMNS_ARRAY:
         columns = tl.load(side_ptr + srows)
     elif R.columns == COLUMNS_INLINE:   # the fp32 after the row's head_dim codes
@@ -217,6 +226,13 @@ def _query_rows(query_ptr, q_token, q_head, row_ok, Q: tl.constexpr, R_K: tl.con
         unscale = 1.0
     elif R_K.kind == READ_PLAIN:
         q = tl.load(query_ptr + offs, mask=mask, other=0)
+        unscale = 1.0
+    elif R_K.kind == READ_MXFP8:   # fp32 operands: the query as it is (its products exact)
+        if EXACT and query_ptr.dtype.element_ty == tl.bfloat16:
+            raw = tl.load(query_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+            q = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            q = tl.load(query_ptr + offs, mask=mask, other=0).to(tl.float32)
         unscale = 1.0
     else:
         if EXACT and query_ptr.dtype.element_ty == tl.bfloat16:   # bf16 bits: exact widening

@@ -34,9 +34,10 @@ import triton.language as tl
 from ._dual import jit
 from .addressing import (LAYER_NONE, at_layer, cache_bytes, row_columns, select_layer,
                          slot_rows, token_slots)
-from .codec import (SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN, SCALE_TOKEN_HEAD,
-                    SCALE_VALUE, divide_by_group_scale, divide_pair, dynamic_scale, encode,
-                    load_as_fp32, load_raw, load_scale, max_combine, raw_to_fp32, scalar_scale)
+from .codec import (SCALE_BLOCK, SCALE_HEAD, SCALE_NONE, SCALE_TENSOR, SCALE_TOKEN,
+                    SCALE_TOKEN_HEAD, SCALE_VALUE, divide_by_group_scale, divide_pair,
+                    dynamic_scale, encode, load_as_fp32, load_raw, load_scale, max_combine,
+                    mxfp8_block_scales, mxfp8_quotient, raw_to_fp32, scalar_scale)
 
 
 @jit
@@ -59,9 +60,11 @@ def _write_dynamic(raw, dst, row, scale_dst, scale_row, keep, SIDE: tl.constexpr
                    CACHE: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_D: tl.constexpr, EXACT: tl.constexpr):
     """Quantize one side's tile ``raw`` (:func:`_load_rows`) with its dynamic scales
-    (``SIDE.DYNAMIC``: TOKEN or TOKEN_HEAD) and store codes and scales: the amax a reduction over
-    the dims (and the heads, per token), one store -- no loop over heads. ``row``/``scale_row``:
-    each token's cache row / scale offset; ``NUM_HEADS``: the tile's heads."""
+    (``SIDE.DYNAMIC``: TOKEN, TOKEN_HEAD, or BLOCK: mxfp8's E8M0 scale per block of a head row,
+    :func:`codec.mxfp8_block_scales`) and store codes and scales: the amax a reduction over the
+    dims (the block's, or also the heads' per token), one store -- no loop over heads.
+    ``row``/``scale_row``: each token's cache row / scale offset; ``NUM_HEADS``: the tile's
+    heads."""
     KIND: tl.constexpr = SIDE.DYNAMIC
     FMT: tl.constexpr = CACHE.FMT
     h = tl.arange(0, BLOCK_H)
@@ -69,23 +72,33 @@ def _write_dynamic(raw, dst, row, scale_dst, scale_row, keep, SIDE: tl.constexpr
     h_mask = h < NUM_HEADS
     hd_mask = h_mask[:, None] & (d < CACHE.HEAD_DIM)[None, :]
     x = raw_to_fp32(raw, EXACT)
-    a = tl.abs(x)
-    if EXACT:
-        # The interpreter's maximum propagates NaN; the GPU's max.f32 drops it (max_combine).
-        a = tl.where(x != x, 0.0, a)
-    amax = tl.reduce(a, 2, max_combine)                                       # [T, H]
-    if KIND == SCALE_TOKEN:
-        amax = tl.reduce(amax, 1, max_combine)                                # [T]
-    s = dynamic_scale(tl.where(amax != amax, 0.0, amax), FMT, CACHE.SCALE_POW2, EXACT)  # all-NaN: 0
-    s_x = s[:, None, None] if KIND == SCALE_TOKEN else s[:, :, None]
-    if CACHE.SCALE_POW2:
-        # s is a power of two (or inf): RN(1/s) is exact, so x * (1/s) is RN(x / s).
-        q = x * tl.math.div_rn(tl.full(s_x.shape, 1.0, tl.float32), s_x)
-    elif EXACT:
-        q = tl.math.div_rn(x, s_x)
+    if KIND == SCALE_BLOCK:
+        # Block scales (mxfp8): one E8M0 code per BLOCK_SIZE columns of a head row; BLOCK_D, a
+        # power of two >= HEAD_DIM (a multiple of BLOCK_SIZE), holds whole blocks.
+        BLOCK: tl.constexpr = FMT.BLOCK_SIZE
+        xb = tl.reshape(x, (x.shape[0], BLOCK_H, BLOCK_D // BLOCK, BLOCK))
+        e, r = mxfp8_block_scales(xb)
+        q = mxfp8_quotient(xb, e[:, :, :, None], r, EXACT)
+        q = encode(tl.reshape(q, (x.shape[0], BLOCK_H, BLOCK_D)), FMT, EXACT)
     else:
-        q = divide_by_group_scale(x, s_x)
-    q = encode(q, FMT, EXACT)
+        a = tl.abs(x)
+        if EXACT:
+            # The interpreter's maximum propagates NaN; the GPU's max.f32 drops it (max_combine).
+            a = tl.where(x != x, 0.0, a)
+        amax = tl.reduce(a, 2, max_combine)                                   # [T, H]
+        if KIND == SCALE_TOKEN:
+            amax = tl.reduce(amax, 1, max_combine)                            # [T]
+        s = dynamic_scale(tl.where(amax != amax, 0.0, amax), FMT, CACHE.SCALE_POW2,
+                          EXACT)  # all-NaN: 0
+        s_x = s[:, None, None] if KIND == SCALE_TOKEN else s[:, :, None]
+        if CACHE.SCALE_POW2:
+            # s is a power of two (or inf): RN(1/s) is exact, so x * (1/s) is RN(x / s).
+            q = x * tl.math.div_rn(tl.full(s_x.shape, 1.0, tl.float32), s_x)
+        elif EXACT:
+            q = tl.math.div_rn(x, s_x)
+        else:
+            q = divide_by_group_scale(x, s_x)
+        q = encode(q, FMT, EXACT)
     # Side scales are stored with evict_last: a token's scales are 4-32 bytes at a random slot,
     # and held in L2 they merge with their neighbours' into whole lines instead of each costing
     # DRAM a scattered write amid the streamed codes. They are a small fraction of the traffic:
@@ -95,6 +108,13 @@ def _write_dynamic(raw, dst, row, scale_dst, scale_row, keep, SIDE: tl.constexpr
     c_head = h * SIDE.CODES.HEAD
     tl.store(dst + (row[:, None, None] + (c_head[:, None] + d[None, :])[None, :, :]),
              q.to(tl.uint8), mask=keep[:, None, None] & hd_mask[None, :, :])
+    if KIND == SCALE_BLOCK:
+        b = tl.arange(0, BLOCK_D // FMT.BLOCK_SIZE)
+        tl.store(scale_dst + (scale_row[:, None, None] + (h * SIDE.SCALES.HEAD)[None, :, None]
+                              + b[None, None, :]), e.to(tl.uint8),
+                 mask=(keep[:, None] & h_mask[None, :])[:, :, None]
+                 & (b < CACHE.HEAD_DIM // FMT.BLOCK_SIZE)[None, None, :],
+                 eviction_policy="evict_last")
     if KIND == SCALE_TOKEN_HEAD:
         store_head_scales(s, dst, row, c_head, scale_dst, scale_row, h * SIDE.SCALES.HEAD,
                           keep[:, None] & h_mask[None, :], HEAD_DIM=CACHE.HEAD_DIM,
