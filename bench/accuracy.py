@@ -34,6 +34,9 @@ of the whole context / (6 x 448), the calibration FlashInfer's tests use) or ``h
 per kv head). Its block scales cost 1 byte per 16 elements (``scale_bytes_per_token``), and its
 codes half the bytes of FP8's.
 
+MXFP8 (``mxfp8`` rows, docs/SPEC.md section 13a): e4m3 codes with an e8m0 (power-of-two) scale
+per 32 elements computed at write time, its only scheme (``block``); 1 byte per 32 elements.
+
 K/V: Gaussian with per-channel and per-token magnitude spread ("plain"), and the same with
 outlier channels ("outliers"): in each kv head, 4 key channels 20-100x larger and 1 value
 channel 20x larger, as seen in real models' keys. Queries are Gaussian, scaled so that the logits
@@ -54,7 +57,7 @@ from fp8kv.formats import FORMATS
 CONTEXTS = (128, 8192)
 Q_HEADS, KV_HEADS, HEAD_DIM, NUM_QUERIES, PAGE_SIZE = 8, 2, 128, 16, 16
 LOGIT_STD = 3.0
-FORMAT_NAMES = ("e4m3", "e5m2", "nvfp4")
+FORMAT_NAMES = ("e4m3", "e5m2", "mxfp8", "nvfp4")
 KV_KINDS = ("plain", "outliers")
 # (scheme, rounding) in plot order
 SCHEMES = (("tensor-unit", "-"), ("tensor", "exact"), ("tensor", "pow2"), ("head", "exact"),
@@ -64,11 +67,15 @@ SCHEMES = (("tensor-unit", "-"), ("tensor", "exact"), ("tensor", "pow2"), ("head
 SCALE_BYTES = {"token": 4, "token-head": 4 * KV_HEADS}
 # NVFP4: the global scale is the scheme; e4m3 block scales come with every scheme.
 NVFP4_SCHEMES = (("tensor-unit", "-"), ("tensor", "exact"), ("head", "exact"))
+# MXFP8: its e8m0 block scales are its only scheme.
+MXFP8_SCHEMES = (("block", "-"),)
+MXFP8_BLOCK_BYTES = KV_HEADS * HEAD_DIM // 32
 NVFP4_BLOCK_BYTES = KV_HEADS * HEAD_DIM // 16
 # The schemes read again by the fused reader, per format: a static scale and (FP8) the
 # recommended dynamic per-token-head scales.
 FUSED_SCHEMES = {"e4m3": (("tensor", "exact"), ("token-head", "exact")),
-                 "e5m2": (("tensor", "exact"),), "nvfp4": (("tensor", "exact"),)}
+                 "e5m2": (("tensor", "exact"),), "mxfp8": (("block", "-"),),
+                 "nvfp4": (("tensor", "exact"),)}
 COLUMNS = ("context", "kv", "fmt", "scheme", "rounding", "reader", "attn_rel_l2", "attn_max_abs",
            "k_rel_l2", "v_rel_l2", "scale_bytes_per_token")
 
@@ -157,6 +164,14 @@ def write(k, v, fmt: str, scheme: str, rounding: str):
         return write_nvfp4(k, v, scheme)
     context = k.shape[0]
     pages = -(-context // PAGE_SIZE)
+    if fmt == "mxfp8":
+        shape = (pages, PAGE_SIZE, KV_HEADS)
+        cache = np.zeros(shape + (HEAD_DIM,), np.uint8)
+        blocks = np.zeros(shape + (HEAD_DIM // 32,), np.uint8)
+        kc, vc, kb, vb = ref.write_kv(k, v, cache, cache, np.arange(context),
+                                      key_scale_cache=blocks, value_scale_cache=blocks,
+                                      cache_format="mxfp8")
+        return kc, vc, dict(key_scale_cache=kb, value_scale_cache=vb, cache_format="mxfp8")
     cache = np.zeros((pages, PAGE_SIZE, KV_HEADS, HEAD_DIM), ref.np_dtype(FORMATS[fmt].dtype))
     slots = np.arange(context)
     if scheme in ("token", "token-head"):
@@ -225,7 +240,8 @@ def measure(fused: bool = True) -> list[dict]:
             q, k, v = make_inputs(context, kind)
             golden = attention(q, k, v)
             for fmt in FORMAT_NAMES:
-                for scheme, rounding in (NVFP4_SCHEMES if fmt == "nvfp4" else SCHEMES):
+                for scheme, rounding in {"nvfp4": NVFP4_SCHEMES,
+                                         "mxfp8": MXFP8_SCHEMES}.get(fmt, SCHEMES):
                     kc, vc, read = write(k, v, fmt, scheme,
                                          "exact" if rounding == "-" else rounding)
                     kd, vd = dequantize(kc, vc, read, context)
@@ -240,8 +256,9 @@ def measure(fused: bool = True) -> list[dict]:
                             attn_max_abs=(float(err.max()) if np.isfinite(err).all()
                                           else float("inf")),
                             k_rel_l2=_rel_l2(kd, k), v_rel_l2=_rel_l2(vd, v),
-                            scale_bytes_per_token=(NVFP4_BLOCK_BYTES if fmt == "nvfp4"
-                                                   else SCALE_BYTES.get(scheme, 0))))
+                            scale_bytes_per_token={
+                                "nvfp4": NVFP4_BLOCK_BYTES, "mxfp8": MXFP8_BLOCK_BYTES}.get(
+                                    fmt, SCALE_BYTES.get(scheme, 0))))
     return rows
 
 

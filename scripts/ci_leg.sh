@@ -121,12 +121,13 @@ case "$LEG" in
             LEG_ARGS+=(--deselect fp8kv_jax -m "not jnp")
         fi
         for _ci_f in jax_glue stacked_jax rope_jax nvfp4_jax xla_triton sharded_jit \
-                     attention_jax; do   # fp8kv_jax's own files (see above)
+                     attention_jax mxfp8_jax; do   # fp8kv_jax's own files (see above)
             _ci_leave_out "tests/test_$_ci_f.py"
         done
         if [ "$LEG" = torch214 ]; then   # what torch's version changes only (see above)
-            for _ci_f in write dequantize nvfp4 dynamic_scales rope_write sm90_compile \
-                         reference_dynamic reference_nvfp4 bounds_check; do
+            for _ci_f in write dequantize nvfp4 mxfp8 dynamic_scales rope_write \
+                         sm90_compile reference_dynamic reference_nvfp4 reference_mxfp8 \
+                         bounds_check; do
                 _ci_leave_out "tests/test_$_ci_f.py"
             done
         fi ;;
@@ -136,7 +137,7 @@ case "$LEG" in
         # run.
         LEG_ARGS+=(--doctest-ignore-import-errors)
         for _ci_f in attention bench_imports compile_warnings dequantize dynamic_scales fast_path \
-                     launch_cache nvfp4 parity rope_write stacked_torch tensor_parallel \
+                     launch_cache mxfp8 nvfp4 parity rope_write stacked_torch tensor_parallel \
                      torch_integration write; do
             LEG_MUST_RUN+=(--must-run "!tests/test_$_ci_f.py")
         done ;;

@@ -198,10 +198,11 @@ def test_a_failed_setup_fails_its_leg_with_its_log_and_the_others_run(tmp_path):
 
 
 JAX_FILES = [f"tests/test_{n}.py" for n in ("jax_glue", "stacked_jax", "rope_jax", "nvfp4_jax",
-                                            "xla_triton", "sharded_jit", "attention_jax")]
+                                            "xla_triton", "sharded_jit", "attention_jax",
+                                            "mxfp8_jax")]
 KERNEL_FILES = [f"tests/test_{n}.py" for n in (
-    "write", "dequantize", "nvfp4", "dynamic_scales", "rope_write", "sm90_compile",
-    "reference_dynamic", "reference_nvfp4", "bounds_check")]
+    "write", "dequantize", "nvfp4", "mxfp8", "dynamic_scales", "rope_write", "sm90_compile",
+    "reference_dynamic", "reference_nvfp4", "reference_mxfp8", "bounds_check")]
 
 
 @pytest.mark.parametrize("leg, files", [("newest", JAX_FILES),
@@ -264,11 +265,11 @@ def test_each_leg_declares_the_files_it_must_run(tmp_path):
         deselected[leg] = {a for d, a in zip(args, args[1:]) if d == "--deselect"}
         left_out = set(every) - set(files)
         if leg == "jax":
-            assert left_out == _torch_test_files() and len(left_out) == 14, left_out
+            assert left_out == _torch_test_files() and len(left_out) == 15, left_out
         else:
             assert left_out == deselected[leg] - {"fp8kv_jax"}, (leg, left_out)
-    assert deselected["oldest"] == set() and len(deselected["newest"]) == 9
-    assert len(deselected["torch214"]) == 18
+    assert deselected["oldest"] == set() and len(deselected["newest"]) == 10
+    assert len(deselected["torch214"]) == 21
     got = _ci_run(tmp_path, "oldest", venvs, "-k", "rope")
     args = (venvs / ".venv-oldest" / "pytest-args").read_text().splitlines()
     assert _must_run(args) == [] and args[-2:] == ["-k", "rope"], args

@@ -49,17 +49,21 @@ def _sum_combine(a, b):
     return a + b
 
 
-@jit
-def _fp16_of_e4m3_pairs(codes):
-    """fp16 values of e4m3 bytes with the hardware conversion, four bytes per instruction pair."""
-    return tl.inline_asm_elementwise(
-        """{
+# Four e4m3 bytes (one 32-bit register) to four fp16 values, two per instruction (a constexpr:
+# the only kind of global a Triton function may read).
+_E4M3X4_TO_FP16 = tl.constexpr("""{
         .reg .b16 lo, hi;
         mov.b32 {lo, hi}, $2;
         cvt.rn.f16x2.e4m3x2 $0, lo;
         cvt.rn.f16x2.e4m3x2 $1, hi;
-        }""",
-        "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+        }""")
+
+
+@jit
+def _fp16_of_e4m3_pairs(codes):
+    """fp16 values of e4m3 bytes with the hardware conversion, four bytes per instruction pair."""
+    return tl.inline_asm_elementwise(_E4M3X4_TO_FP16, "=r,=r,r", [codes], dtype=tl.float16,
+                                     is_pure=True, pack=4)
 
 
 @jit
@@ -67,14 +71,8 @@ def _fp16_of_e4m3_pairs_held(codes):
     """:func:`_fp16_of_e4m3_pairs`, marked impure: Triton then converts the codes where they are
     loaded and hands fp16 to the MMA operand layout (ldmatrix.trans for V), instead of moving
     the conversion after a byte-wise gather of V's transposed operand."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b16 lo, hi;
-        mov.b32 {lo, hi}, $2;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi;
-        }""",
-        "=r,=r,r", [codes], dtype=tl.float16, is_pure=False, pack=4)
+    return tl.inline_asm_elementwise(_E4M3X4_TO_FP16, "=r,=r,r", [codes], dtype=tl.float16,
+                                     is_pure=False, pack=4)
 
 
 @jit
