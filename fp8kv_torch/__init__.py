@@ -8,6 +8,8 @@ graphs capture it.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Sequence, Union
 
 try:
@@ -48,6 +50,43 @@ def _call(op: str, named: dict, prepare=None):
     return _launch.run(op, named)
 
 
+def _public(op: str, prepare=None):
+    """The public function of ``op``: the decorated stub's signature and docstring; a call binds
+    its arguments by name (the positional ones in order, the keywords, then the defaults) and
+    goes to :func:`_call`. Binding by hand rather than with ``locals()``, which torch.compile
+    (Dynamo, torch 2.11) cannot trace; a wrong call raises Python's own ``TypeError``s."""
+    def wrap(stub):
+        params = tuple(inspect.signature(stub).parameters.values())
+        positional = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+        names = frozenset(p.name for p in params)
+        defaults = tuple((p.name, p.default) for p in params if p.default is not p.empty)
+        required = tuple(p.name for p in params if p.default is p.empty)
+        where = f"{stub.__name__}()"
+
+        @functools.wraps(stub)
+        def call(*args, **kwargs):
+            if len(args) > len(positional):
+                raise TypeError(f"{where} takes {len(positional)} positional arguments but "
+                                f"{len(args)} were given")
+            named = dict(zip(positional, args))
+            for name, value in kwargs.items():
+                if name not in names:
+                    raise TypeError(f"{where} got an unexpected keyword argument {name!r}")
+                if name in named:
+                    raise TypeError(f"{where} got multiple values for argument {name!r}")
+                named[name] = value
+            for name in required:
+                if name not in named:
+                    raise TypeError(f"{where} missing required argument: {name!r}")
+            for name, value in defaults:
+                if name not in named:
+                    named[name] = value
+            return _call(op, named, prepare)
+        return call
+    return wrap
+
+
+@_public("write_kv")
 def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor,
              key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
              fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
@@ -151,9 +190,9 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
     >>> blocks[1, 1, 0].float().tolist(), [hex(b) for b in codes[1, 1, 0, :3].tolist()]
     ([1.0], ['0xff', '0xee', '0xcd'])
     """
-    _call("write_kv", locals())
 
 
+@_public("write_kv_combined")
 def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tensor,
                       key_scale: Scale = None, value_scale: Scale = None, *, layout: str = "NHD",
                       fp8_format: str | None = None, key_scale_cache: ScaleCache = None,
@@ -183,7 +222,6 @@ def write_kv_combined(key: Tensor, value: Tensor, kv_cache: Tensor, slots: Tenso
     >>> kv[1, :, 2, 0].tolist()
     [[56, 56, 56, 56], [184, 184, 184, 184]]
     """
-    _call("write_kv_combined", locals())
 
 
 # What out= holds, by the names of the results: (key_pages, value_pages, new_block_table).
@@ -204,6 +242,7 @@ def _dequantize_out(op: str, named: dict) -> None:
         raise TypeError(f"out[0]: expected dtype {dtype} (the dtype argument), got {outs[0].dtype}")
 
 
+@_public("dequantize_pages", _dequantize_out)
 def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                      key_scale: Scale = None, value_scale: Scale = None, *,
                      dtype: torch.dtype | str = torch.bfloat16, layout: str = "NHD",
@@ -298,9 +337,9 @@ def dequantize_pages(key_cache: Tensor, value_cache: Tensor, block_table: Tensor
     >>> k[0, 0, 0, :2].float().tolist()
     [-4.0, -2.0]
     """
-    return _call("dequantize_pages", locals(), _dequantize_out)
 
 
+@_public("dequantize_pages_combined", _dequantize_out)
 def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: Scale = None,
                               value_scale: Scale = None, *,
                               dtype: torch.dtype | str = torch.bfloat16,
@@ -341,9 +380,9 @@ def dequantize_pages_combined(kv_cache: Tensor, block_table: Tensor, key_scale: 
     >>> pages.shape, pages[0, 1, 0, 0].tolist()
     (torch.Size([1, 2, 1, 1, 2]), [-1.0, -1.0])
     """
-    return _call("dequantize_pages_combined", locals(), _dequantize_out)
 
 
+@_public("rope_write_kv")
 def rope_write_kv(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor,
                   value_cache: Tensor, slots: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                   key_scale: Scale = None, value_scale: Scale = None, *,
@@ -430,9 +469,9 @@ def rope_write_kv(query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor,
     >>> q_rot.tolist(), k_cache[1, 1, 0].float().tolist(), v_cache[1, 1, 0].float().tolist()
     ([[[-2.0, 1.0]]], [-8.0, 6.0], [8.0, -8.0])
     """
-    return _call("rope_write_kv", locals())
 
 
+@_public("rope_write_kv_combined")
 def rope_write_kv_combined(query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
                            slots: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                            key_scale: Scale = None, value_scale: Scale = None, *,
@@ -464,10 +503,10 @@ def rope_write_kv_combined(query: Tensor, key: Tensor, value: Tensor, kv_cache: 
     >>> q.tolist(), kv[1, :, 2, 0].tolist()                     # cos 0, sin 1: (-x2, x1)
     ([[[-2.0, 1.0]]], [[192, 56], [56, 64]])
     """
-    return _call("rope_write_kv_combined", locals())
 
 
 
+@_public("paged_attention")
 def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                     seq_lens: Tensor, key_scale: Scale = None, value_scale: Scale = None, *,
                     query_start_loc: Tensor | None = None, softmax_scale: float | None = None,
@@ -562,9 +601,9 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     >>> out[0, :, 0].tolist()                                          # the mean of 1..5
     [3.0, 3.0]
     """
-    return _call("paged_attention", locals())
 
 
+@_public("paged_attention_combined")
 def paged_attention_combined(query: Tensor, kv_cache: Tensor, block_table: Tensor,
                              seq_lens: Tensor, key_scale: Scale = None, value_scale: Scale = None,
                              *, query_start_loc: Tensor | None = None,
@@ -608,4 +647,3 @@ def paged_attention_combined(query: Tensor, kv_cache: Tensor, block_table: Tenso
     >>> out[0, 0, :2].tolist()
     [2.0, 2.0]
     """
-    return _call("paged_attention_combined", locals())

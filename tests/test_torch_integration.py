@@ -329,3 +329,22 @@ def test_bytes_do_not_depend_on_the_fp_fusion_default(fusion):
         env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda f, a: f.write_kv(*a, None, None, None), r"write_kv\(\) takes 7 positional arguments but 8"),
+    (lambda f, a: f.write_kv(*a, layuot="NHD"), r"unexpected keyword argument 'layuot'"),
+    (lambda f, a: f.write_kv(*a, key=a[0]), r"multiple values for argument 'key'"),
+    (lambda f, a: f.write_kv(*a[:4]), r"missing required argument: 'slots'"),
+], ids=["too-many-positional", "unknown-keyword", "twice", "missing"])
+def test_public_functions_bind_their_arguments_like_python(call, message):
+    """The public functions bind their arguments by hand (torch.compile of torch 2.11 cannot
+    trace ``locals()``): a wrong call raises Python's TypeError, before anything runs."""
+    import fp8kv_torch
+
+    x = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 1, 1, 16, dtype=torch.uint8)
+    args = (x, x, cache, cache, torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(TypeError, match=message):
+        call(fp8kv_torch, args)
+    assert not cache.any()
