@@ -50,3 +50,15 @@ def jnp_where_jax_runs_on_the_cpu() -> list:
     except ImportError:
         return []
     return [pytest.mark.jnp] if jax.default_backend() == "cpu" else []
+
+
+def raises_and_writes_nothing(call, args: dict, exc, match) -> None:
+    """``call(**args)`` raises ``exc`` matching ``match`` and leaves every cache and scale-cache
+    tensor among ``args`` as it was."""
+    names = [n for n in ("key_cache", "value_cache", "kv_cache", "key_scale_cache",
+                         "value_scale_cache") if isinstance(args.get(n), torch.Tensor)]
+    before = [bits(args[n]) for n in names]
+    with pytest.raises(exc, match=match):
+        call(**args)
+    for b, n in zip(before, names):
+        np.testing.assert_array_equal(bits(args[n]), b)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tests.cases import random_values
+from tests.nvfp4_cases import PagedRows
 from fp8kv import reference as ref
 from fp8kv.reference import np_dtype
 
@@ -15,7 +16,7 @@ BLOCK = 32   # written out here, not taken from the code
 
 
 @dataclass(frozen=True)
-class MxCase:
+class MxCase(PagedRows):
     tokens: int = 5
     heads: int = 3
     head_dim: int = 64
@@ -29,25 +30,6 @@ class MxCase:
         page = "" if self.layout == "3D" else f"-P{self.page_size}"
         return (f"T{self.tokens}-H{self.heads}-D{self.head_dim}{page}-{self.layout}-{self.dtype}-"
                 f"{self.cache}")
-
-    @property
-    def api_layout(self):
-        return "NHD" if self.layout == "3D" else self.layout
-
-    @property
-    def pages(self):
-        return -(-self.tokens // (1 if self.layout == "3D" else self.page_size)) + 2
-
-    @property
-    def num_slots(self):
-        return self.pages * (1 if self.layout == "3D" else self.page_size)
-
-    def shape(self, width):
-        if self.layout == "3D":
-            return (self.pages, self.heads, width)
-        if self.layout == "NHD":
-            return (self.pages, self.page_size, self.heads, width)
-        return (self.pages, self.heads, self.page_size, width)
 
     @property
     def cache_shape(self):

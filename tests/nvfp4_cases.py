@@ -14,22 +14,9 @@ from fp8kv.reference import np_dtype
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]   # written out here, not taken from the code
 
 
-@dataclass(frozen=True)
-class NvCase:
-    tokens: int = 5
-    heads: int = 3
-    head_dim: int = 64
-    page_size: int = 4
-    layout: str = "NHD"        # "NHD" | "HND" | "3D" ([num_slots, H, D/2])
-    dtype: str = "bfloat16"
-    scale: str = "float"       # global scale: "none" | "float" | "tensor" | "head"
-    blocks: str = "e4m3"       # block-scale arrays: "e4m3" (float8_e4m3fn) | "uint8"
-
-    @property
-    def id(self):
-        page = "" if self.layout == "3D" else f"-P{self.page_size}"
-        return (f"T{self.tokens}-H{self.heads}-D{self.head_dim}{page}-{self.layout}-{self.dtype}-"
-                f"s{self.scale}-{self.blocks}")
+class PagedRows:
+    """The geometry of a block-scaled case's cache (``tokens``, ``heads``, ``page_size`` and
+    ``layout`` fields): its pages (two more than the tokens need) and array shapes."""
 
     @property
     def api_layout(self):
@@ -49,6 +36,24 @@ class NvCase:
         if self.layout == "NHD":
             return (self.pages, self.page_size, self.heads, width)
         return (self.pages, self.heads, self.page_size, width)
+
+
+@dataclass(frozen=True)
+class NvCase(PagedRows):
+    tokens: int = 5
+    heads: int = 3
+    head_dim: int = 64
+    page_size: int = 4
+    layout: str = "NHD"        # "NHD" | "HND" | "3D" ([num_slots, H, D/2])
+    dtype: str = "bfloat16"
+    scale: str = "float"       # global scale: "none" | "float" | "tensor" | "head"
+    blocks: str = "e4m3"       # block-scale arrays: "e4m3" (float8_e4m3fn) | "uint8"
+
+    @property
+    def id(self):
+        page = "" if self.layout == "3D" else f"-P{self.page_size}"
+        return (f"T{self.tokens}-H{self.heads}-D{self.head_dim}{page}-{self.layout}-{self.dtype}-"
+                f"s{self.scale}-{self.blocks}")
 
     @property
     def cache_shape(self):

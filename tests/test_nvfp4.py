@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.cases import as_uint, random_values  # noqa: E402
-from tests.helpers import bits, requires_cuda, to_torch  # noqa: E402
+from tests.helpers import bits, raises_and_writes_nothing, requires_cuda, to_torch  # noqa: E402
 from tests.nvfp4_cases import CASES, E2M1, NvCase, inputs, ref_write  # noqa: E402
 from fp8kv import reference as ref  # noqa: E402
 from fp8kv.modes import Division  # noqa: E402
@@ -331,13 +331,7 @@ WRITE_ERRORS = [
 
 @pytest.mark.parametrize("name,args,exc,match", WRITE_ERRORS, ids=[e[0] for e in WRITE_ERRORS])
 def test_write_errors_write_nothing(name, args, exc, match):
-    arrays = [n for n in ("key_cache", "value_cache", "key_scale_cache", "value_scale_cache")
-              if isinstance(args[n], torch.Tensor)]
-    before = [bits(args[n]) for n in arrays]
-    with pytest.raises(exc, match=match):
-        fp8kv_torch.write_kv(**args)
-    for b, n in zip(before, arrays):
-        np.testing.assert_array_equal(bits(args[n]), b)
+    raises_and_writes_nothing(fp8kv_torch.write_kv, args, exc, match)
 
 
 def _dq(**changes):
