@@ -23,7 +23,7 @@ from .validate import DequantArgs, WriteArgs
 INTERPRET, CUDA = "interpret", "cuda"
 
 # Elements per program (per K or V) and warps, per backend (bench/NOTES.md has the measurements
-# behind each entry). The interpreter runs one program at a time at ~2 ms each, so it gets big
+# behind each entry). The interpreter runs one program at a time, slowly, so it gets big
 # tiles. Large batches take `num_warps` (one 16-byte load of K and one of V per thread, many
 # programs per SM), smaller ones more warps (more memory requests in flight, shorter dependency
 # chains per thread): batches of up to `small_batch_elems` row elements use

@@ -78,7 +78,7 @@ def _launch(kernel, plan, operands: OperandMap, arrays: dict, new: dict | None =
                if o.aliases}
     # Trailing outputs that the plan leaves unused (a static write's scale outputs, a combined
     # write's V output) go to the kernel as None, a constexpr, instead of as buffers: each buffer
-    # costs a jitted call ~3 us of dispatch (bench/NOTES.md). jax-triton gives arrays to
+    # adds dispatch cost to every jitted call (bench/NOTES.md). jax-triton gives arrays to
     # parameters by position, so only a trailing run can go.
     kept = len(outputs)
     while kept and not operands.outputs[kept - 1].used:

@@ -157,7 +157,7 @@ class _ReadyLaunch:
         self.scalars = len(call.scalars)
         self.consts = (*call.scalars, *call.constexprs.values())
         # Pointers as ints on CUDA: Triton's launcher then neither calls each tensor's data_ptr
-        # nor asks the driver about each pointer (~0.3 us apiece).
+        # nor asks the driver about each pointer (a host cost per tensor).
         self.pointers = backend == CUDA
         if self.pointers:
             grid = plan.grid + (1,) * (3 - len(plan.grid))
