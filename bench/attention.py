@@ -14,6 +14,7 @@ import torch
 import fp8kv_torch
 
 from .common import Config, Timer, free_memory
+from .jax_profile import traced_phases
 from .results import Table
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -142,9 +143,10 @@ def table_attention_jax(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: boo
                   "As the attention table, e4m3 pages (bf16 for the Pallas bf16 rows): fp8kv_jax "
                   "under jax.jit and JAX's Pallas GPU paged_attention "
                   "(jax.experimental.pallas.ops.gpu, its own [kv_heads, pages, page, head_dim] "
-                  "layout and fp32 scale pages). Time: a jitted fori_loop of "
+                  "layout and fp32 scale pages). `jit loop`: a jitted fori_loop of "
                   f"{cfg.jax_loop} dependent calls (each call's output the next one's query), "
-                  "device time per call.", plot="bars")
+                  "time per call; `device` (GPU): the kernels' time of one synced call.",
+                  plot="bars")
     n = cfg.jax_loop
     for batch, context in (GPU_SHAPES[1], GPU_SHAPES[3], GPU_SHAPES[4]) if cuda else CPU_SHAPES:
         size = f"{batch}x{context}"
@@ -157,21 +159,29 @@ def table_attention_jax(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: boo
             return fp8kv_jax.paged_attention(q, a["key_cache"], a["value_cache"],
                                              a["block_table"], a["seq_lens"], a["key_scale"],
                                              a["value_scale"])
-        table.add(size, batch * context, "fp8kv-jax e4m3", "jit loop",
-                  _loop_us(jax, ours, arrays["query"], n), nbytes)
+        steps = {"fp8kv-jax e4m3": (ours, nbytes)}
         if cuda:
+            scale_bytes = 2 * batch * context * KV_HEADS * 4
             for fmt in ("e4m3", "bf16"):
                 pallas = _pallas(jax, jnp, arrays, fmt)
                 if pallas is None:
                     table.note("Pallas GPU paged_attention is not importable here: no rows.")
                     break
-                us = _loop_us(jax, pallas, arrays["query"], n)
-                scale_bytes = 2 * batch * context * KV_HEADS * 4
-                table.add(size, batch * context, f"pallas {fmt}", "jit loop", us,
-                          2 * nbytes if fmt == "bf16" else nbytes + scale_bytes)
-        del arrays
+                steps[f"pallas {fmt}"] = (pallas, 2 * nbytes if fmt == "bf16"
+                                          else nbytes + scale_bytes)
+        for name, (step, step_bytes) in steps.items():
+            table.add(size, batch * context, name, "jit loop",
+                      _loop_us(jax, step, arrays["query"], n), step_bytes)
+        if cuda:   # the kernels' own time, as torch's CUDA-graph replay measures it
+            traced = traced_phases(jax, {name: [jax.jit(step), arrays["query"]]
+                                         for name, (step, _) in steps.items()}, cfg.jax_calls)
+            for name, phases in traced.items():
+                table.add(size, batch * context, name, "device", phases["device"],
+                          steps[name][1])
+        del arrays, steps
     table.note("Pallas e4m3 bytes include its fp32 scale pages (4 bytes per token and head, "
-               "K and V).")
+               "K and V). `device`: first kernel start -> last kernel end of a synced call "
+               "(jax.profiler trace, median), comparable to torch's graph replay.")
     return table
 
 

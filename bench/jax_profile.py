@@ -49,7 +49,7 @@ def trace_events(jax, steps: dict, calls: int) -> list:
             return json.load(f)["traceEvents"]
 
 
-def _trace(jax, steps: dict, calls: int) -> dict:
+def traced_phases(jax, steps: dict, calls: int) -> dict:
     """``jax.profiler`` trace of ``calls`` synced calls of each step; provider -> phase ->
     median us."""
     return _phases(trace_events(jax, steps, calls), list(steps))
@@ -112,7 +112,7 @@ def table_jax_call_phases(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: b
         both = jax.jit(lambda xs: (xs[0] * 2 + 1, empty(xs[1])), donate_argnums=(0,))
         steps["xla x*2+1 + empty jax-triton"] = [
             both, (jnp.zeros(big * HEADS * HEAD_DIM, jnp.bfloat16), jnp.zeros(16, jnp.float32))]
-    for name, phases in _trace(jax, steps, cfg.jax_calls).items():
+    for name, phases in traced_phases(jax, steps, cfg.jax_calls).items():
         for phase, us in phases.items():
             table.add(name, 0, phase, "traced", us, 0)
     return table

@@ -127,19 +127,30 @@ def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
     return table
 
 
-# Attention: (block_n, warps, stages unsplit, stages split, target programs); the first is
-# the table's default. Kept short: every candidate is a compile of its own.
+# Attention: overrides of the CUDA row of ``ATTENTION_SIZES``; the first (none) is the table's
+# row. Tiles and pipelining (shared memory per program sets how many fit an SM) and the split
+# policy (when to split, how many programs to aim at, the fewest tokens per split). Kept short:
+# every candidate is a compile of its own.
 ATTENTION_CANDIDATES = (
-    (32, 2, 5, 3, 264), (32, 2, 3, 3, 264), (32, 2, 3, 3, 528), (16, 4, 4, 4, 264),
-    (16, 4, 3, 3, 528), (32, 4, 3, 3, 264), (16, 2, 4, 4, 528),
+    {}, dict(stages=3), dict(stages=3, target_programs=200),
+    dict(stages=3, split_below=512, target_programs=528, min_split_tokens=128),
+    dict(block_n=16, warps=4, stages=4, split_stages=4),
+    dict(block_n=16, warps=4, stages=3, split_stages=3, target_programs=528,
+         min_split_tokens=128),
+    dict(block_n=16, warps=2, stages=5, split_stages=3),
+    dict(block_n=16, warps=2, stages=3, split_stages=3, split_below=512, target_programs=528,
+         min_split_tokens=128),
 )
 ATTENTION_SWEEP_FORMATS = ("e4m3", "bf16", "nvfp4")
-ATTENTION_SWEEP_SHAPES = ((1, 8192), (8, 4096), (64, 2048), (256, 1024))
+ATTENTION_SWEEP_SHAPES = ((1, 8192), (8, 4096), (32, 4096), (64, 2048), (256, 1024))
+_LABEL_KEYS = (("n", "block_n"), ("w", "warps"), ("s", "stages"), ("ss", "split_stages"),
+               ("b", "split_below"), ("t", "target_programs"), ("m", "min_split_tokens"))
 
 
-def attention_candidate_label(candidate) -> str:
-    block_n, warps, stages, split_stages, target = candidate
-    return f"n{block_n} w{warps} s{stages}/{split_stages} t{target}"
+def attention_candidate_label(overrides: dict) -> str:
+    """The candidate's whole row, e.g. ``n32 w2 s5 ss3 b256 t264 m256``."""
+    row = {**attention.ATTENTION_SIZES[attention.CUDA], **overrides}
+    return " ".join(f"{short}{row[key]}" for short, key in _LABEL_KEYS)
 
 
 def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
@@ -148,28 +159,27 @@ def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
     if not timer.cuda:
         return
     table = Table("sweep_attention", "Sweep: paged attention tiles, warps, stages, splits",
-                  "`ATTENTION_SIZES` candidates (`n` tokens per warp tile, `w` warps, `s` "
-                  "pipeline stages unsplit / split, `t` the programs splitting aims at) per "
-                  "shape and cache format; the first candidate is the table's default.",
+                  "`ATTENTION_SIZES` candidates (`n` tokens per warp tile, `w` warps, `s` / `ss` "
+                  "pipeline stages unsplit / split, `b` split below this many programs, `t` "
+                  "the programs splitting aims at, `m` the fewest tokens per split) per shape "
+                  "and cache format; the first candidate is the table's row.",
                   plot="bars")
     shapes = ATTENTION_SWEEP_SHAPES
     cases = {}
     for candidate in ATTENTION_CANDIDATES:
-        block_n, warps, stages, split_stages, target = candidate
-        with planned_with(attention.ATTENTION_SIZES, attention.CUDA, block_n=block_n,
-                          warps=warps, stages=stages, split_stages=split_stages,
-                          target_programs=target):
+        label = attention_candidate_label(candidate)
+        with planned_with(attention.ATTENTION_SIZES, attention.CUDA, **candidate):
             try:
-                _time_attention_candidate(table, device, timer, candidate, shapes, cases)
+                _time_attention_candidate(table, device, timer, label, shapes, cases)
             except Exception as e:   # a candidate that does not compile or fit: say so, go on
-                table.note(f"{attention_candidate_label(candidate)}: failed "
+                table.note(f"{label}: failed "
                            f"({type(e).__name__}: {str(e)[:120]})")
     del cases
     free_memory()
     yield table
 
 
-def _time_attention_candidate(table, device, timer, candidate, shapes, cases):
+def _time_attention_candidate(table, device, timer, label, shapes, cases):
     for batch, context in shapes:
         for fmt in ATTENTION_SWEEP_FORMATS:
             key = (batch, context, fmt)
@@ -179,7 +189,7 @@ def _time_attention_candidate(table, device, timer, candidate, shapes, cases):
             out = torch.empty_like(kw["query"])
             us = timer.time("graph", [lambda: attention_bench.attend(kw, out)], sweep=True)
             table.add(f"{batch}x{context} {fmt}", batch * context,
-                      attention_candidate_label(candidate), "graph", us, nbytes)
+                      label, "graph", us, nbytes)
 
 
 def sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
