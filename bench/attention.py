@@ -7,7 +7,9 @@ scales).
 """
 from __future__ import annotations
 
+import collections
 import math
+import time
 
 import torch
 
@@ -143,11 +145,12 @@ def table_attention_jax(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: boo
                   "As the attention table, e4m3 pages (bf16 for the Pallas bf16 rows): fp8kv_jax "
                   "under jax.jit and JAX's Pallas GPU paged_attention "
                   "(jax.experimental.pallas.ops.gpu, its own [kv_heads, pages, page, head_dim] "
-                  "layout and fp32 scale pages). `jit loop`: a jitted fori_loop of "
-                  f"{cfg.jax_loop} dependent calls (each call's output the next one's query), "
-                  "time per call; `device` (GPU): the kernels' time of one synced call.",
+                  "layout and fp32 scale pages). `device` (GPU): the kernels' time of a synced "
+                  f"jitted call; `jit loop` (CPU): a jitted fori_loop of {cfg.jax_loop} "
+                  "dependent calls (each call's output the next one's query), time per call.",
                   plot="bars")
     n = cfg.jax_loop
+    compile_s = collections.defaultdict(list)
     for batch, context in (GPU_SHAPES[1], GPU_SHAPES[3], GPU_SHAPES[4]) if cuda else CPU_SHAPES:
         size = f"{batch}x{context}"
         kw, nbytes = make_cache(batch, context, "e4m3", torch.device("cuda" if cuda else "cpu"))
@@ -155,11 +158,13 @@ def table_attention_jax(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: boo
         del kw
         free_memory()
 
-        def ours(q, a=arrays):
+        def ours(q, a, scales=(arrays["key_scale"], arrays["value_scale"])):
             return fp8kv_jax.paged_attention(q, a["key_cache"], a["value_cache"],
-                                             a["block_table"], a["seq_lens"], a["key_scale"],
-                                             a["value_scale"])
-        steps = {"fp8kv-jax e4m3": (ours, nbytes)}
+                                             a["block_table"], a["seq_lens"], *scales)
+        # Each step is (q, its arrays) -> output: the caches are arguments of the jitted call
+        # (captured, they would be compiled in as constants); host floats stay host floats.
+        paged = {k: arrays[k] for k in ("key_cache", "value_cache", "block_table", "seq_lens")}
+        steps = {"fp8kv-jax e4m3": (ours, paged, nbytes)}
         if cuda:
             scale_bytes = 2 * batch * context * KV_HEADS * 4
             for fmt in ("e4m3", "bf16"):
@@ -167,21 +172,30 @@ def table_attention_jax(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: boo
                 if pallas is None:
                     table.note("Pallas GPU paged_attention is not importable here: no rows.")
                     break
-                steps[f"pallas {fmt}"] = (pallas, 2 * nbytes if fmt == "bf16"
+                steps[f"pallas {fmt}"] = (*pallas, 2 * nbytes if fmt == "bf16"
                                           else nbytes + scale_bytes)
-        for name, (step, step_bytes) in steps.items():
-            table.add(size, batch * context, name, "jit loop",
-                      _loop_us(jax, step, arrays["query"], n), step_bytes)
-        if cuda:   # the kernels' own time, as torch's CUDA-graph replay measures it
-            traced = traced_phases(jax, {name: [jax.jit(step), arrays["query"]]
-                                         for name, (step, _) in steps.items()}, cfg.jax_calls)
-            for name, phases in traced.items():
+        if not cuda:   # no kernel events on the CPU: a jitted loop's time per call
+            for name, (step, step_arrays, step_bytes) in steps.items():
+                table.add(size, batch * context, name, "jit loop",
+                          _loop_us(jax, step, arrays["query"], step_arrays, n), step_bytes)
+        else:   # the kernels' own time, as torch's CUDA-graph replay measures it
+            compiled = {}
+            for name, (step, step_arrays, _) in steps.items():
+                start = time.perf_counter()
+                call = jax.jit(step).lower(arrays["query"], step_arrays).compile()
+                compile_s[name].append(time.perf_counter() - start)
+                compiled[name] = [lambda q, call=call, a=step_arrays: call(q, a), arrays["query"]]
+            for name, phases in traced_phases(jax, compiled, cfg.jax_calls).items():
                 table.add(size, batch * context, name, "device", phases["device"],
-                          steps[name][1])
+                          steps[name][2])
+            del compiled
         del arrays, steps
     table.note("Pallas e4m3 bytes include its fp32 scale pages (4 bytes per token and head, "
                "K and V). `device`: first kernel start -> last kernel end of a synced call "
                "(jax.profiler trace, median), comparable to torch's graph replay.")
+    if compile_s:
+        table.note("Compile time of one jitted call (s, per shape): " + "; ".join(
+            f"{name} " + " / ".join(f"{x:.1f}" for x in xs) for name, xs in compile_s.items()))
     return table
 
 
@@ -196,22 +210,22 @@ def _to_jax(jnp, v):
     return jnp.asarray(v.cpu().numpy())
 
 
-def _loop_us(jax, step, q, n: int) -> float:
+def _loop_us(jax, step, q, arrays, n: int) -> float:
     import statistics
-    import time
 
-    loop = jax.jit(lambda q: jax.lax.fori_loop(0, n, lambda i, x: step(x), q))
-    jax.block_until_ready(loop(q))
+    loop = jax.jit(lambda q, a: jax.lax.fori_loop(0, n, lambda i, x: step(x, a), q))
+    jax.block_until_ready(loop(q, arrays))
     times = []
     for _ in range(5):
         start = time.perf_counter()
-        jax.block_until_ready(loop(q))
+        jax.block_until_ready(loop(q, arrays))
         times.append((time.perf_counter() - start) / n * 1e6)
     return statistics.median(times)
 
 
 def _pallas(jax, jnp, arrays: dict, fmt: str):
-    """Pallas GPU paged_attention over the same pages in its layout, or None (not importable)."""
+    """``(step, its arrays)``: Pallas GPU paged_attention over the same pages in its layout, or
+    None (not importable)."""
     try:
         from jax.experimental.pallas.ops.gpu import paged_attention as pallas_ops
     except ImportError:
@@ -221,13 +235,13 @@ def _pallas(jax, jnp, arrays: dict, fmt: str):
         k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     k = jnp.transpose(k, (2, 0, 1, 3))        # [kv_heads, pages, page, head_dim]
     v = jnp.transpose(v, (2, 0, 1, 3))
-    scales = {}
+    pages = dict(k=k, v=v, table=arrays["block_table"], lens=arrays["seq_lens"], scales={})
     if fmt == "e4m3":
         ones = jnp.ones(k.shape[:-1], jnp.float32)
-        scales = dict(k_scales_pages=ones * arrays["key_scale"],
-                      v_scales_pages=ones * arrays["value_scale"])
-    table, lens = arrays["block_table"], arrays["seq_lens"]
+        pages["scales"] = dict(k_scales_pages=ones * arrays["key_scale"],
+                               v_scales_pages=ones * arrays["value_scale"])
 
-    def step(q):
-        return pallas_ops.paged_attention(q, k, v, table, lens, **scales).astype(q.dtype)
-    return step
+    def step(q, p):
+        return pallas_ops.paged_attention(q, p["k"], p["v"], p["table"], p["lens"],
+                                          **p["scales"]).astype(q.dtype)
+    return step, pages

@@ -127,19 +127,17 @@ def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
     return table
 
 
-# Attention: overrides of the CUDA row of ``ATTENTION_SIZES``; the first (none) is the table's
-# row. Tiles and pipelining (shared memory per program sets how many fit an SM) and the split
-# policy (when to split, how many programs to aim at, the fewest tokens per split). Kept short:
-# every candidate is a compile of its own.
+# Attention: overrides of the CUDA row of ``ATTENTION_SIZES``, read by every format (the row's
+# ``packed`` override set aside); the first (none) is the row. The pipeline's depth (the shared
+# memory per program sets how many fit an SM) and the split policy (when to split, how many
+# programs to aim at, the fewest tokens per split). Kept short: every candidate is a compile of
+# its own.
 ATTENTION_CANDIDATES = (
-    {}, dict(stages=3), dict(stages=3, target_programs=200),
-    dict(stages=3, split_below=512, target_programs=528, min_split_tokens=128),
-    dict(block_n=16, warps=4, stages=4, split_stages=4),
-    dict(block_n=16, warps=4, stages=3, split_stages=3, target_programs=528,
-         min_split_tokens=128),
-    dict(block_n=16, warps=2, stages=5, split_stages=3),
-    dict(block_n=16, warps=2, stages=3, split_stages=3, split_below=512, target_programs=528,
-         min_split_tokens=128),
+    {}, dict(stages=3), dict(stages=7), dict(split_stages=5),
+    dict(split_stages=5, split_below=1024, target_programs=1188),
+    dict(stages=7, split_stages=5, split_below=1024, target_programs=792),
+    dict(split_stages=5, min_split_tokens=128),
+    dict(stages=3, split_below=1024, target_programs=1188),
 )
 ATTENTION_SWEEP_FORMATS = ("e4m3", "bf16", "nvfp4")
 ATTENTION_SWEEP_SHAPES = ((1, 8192), (8, 4096), (32, 4096), (64, 2048), (256, 1024))
@@ -168,7 +166,8 @@ def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
     cases = {}
     for candidate in ATTENTION_CANDIDATES:
         label = attention_candidate_label(candidate)
-        with planned_with(attention.ATTENTION_SIZES, attention.CUDA, **candidate):
+        entries = {"packed": {}, **candidate}
+        with planned_with(attention.ATTENTION_SIZES, attention.CUDA, **entries):
             try:
                 _time_attention_candidate(table, device, timer, label, shapes, cases)
             except Exception as e:   # a candidate that does not compile or fit: say so, go on

@@ -119,7 +119,7 @@ class Constants(NamedTuple):
 ATTENTION_SIZES = {
     CUDA: dict(block_m=16, block_n=32, warps=2, stages=5, split_stages=3, split_below=256,
                target_programs=264, min_split_tokens=256, max_splits=64, merge_rows=4,
-               merge_warps=4, packed={}),
+               merge_warps=4, packed=dict(stages=3)),
     INTERPRET: dict(block_m=16, block_n=16, warps=2, stages=1, split_stages=1, split_below=4,
                     target_programs=4, min_split_tokens=16, max_splits=4, merge_rows=16,
                     merge_warps=1, packed={}),

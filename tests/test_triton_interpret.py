@@ -54,6 +54,9 @@ def _run(frontend: str, device: str, interpret: bool, *extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
+    if device == "cpu":   # a CPU call touches no GPU, as on a machine without one
+        env["JAX_PLATFORMS"] = "cpu"
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # JAX would take 75 % of the GPU
     got = subprocess.run([sys.executable, "-m", "tests.interpret_calls", frontend, device, *extra],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert got.returncode == 0, got.stdout + got.stderr
