@@ -54,8 +54,8 @@ ROWS = (
          "64x8192", "e4m3 token-head", "graph", "bf16", "graph", "a bf16 cache"),
     Spec("`paged_attention` nvfp4, 64 x 8,192, CUDA graph", "attention", "64x8192", "nvfp4",
          "graph", "bf16", "graph", "a bf16 cache"),
-    Spec("`fp8kv_jax.paged_attention` e4m3, 64 x 8,192, jitted loop", "attention_jax",
-         "64x8192", "fp8kv-jax e4m3", "jit loop", "pallas e4m3", "jit loop",
+    Spec("`fp8kv_jax.paged_attention` e4m3, 64 x 8,192, jitted, kernel time", "attention_jax",
+         "64x8192", "fp8kv-jax e4m3", "device", "pallas e4m3", "device",
          "JAX Pallas GPU `paged_attention`, same FP8 cache"),
 )
 

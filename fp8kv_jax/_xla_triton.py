@@ -47,7 +47,7 @@ TARGET = "__gpu$xla.gpu.triton"
 JAXLIB_VERSIONS = ((0, 10, 2), (0, 12, 0))   # [first, past the last)
 # triton releases whose TTIR jaxlib's Triton dialect parsed for every kernel variant of the suite.
 TRITON_SERIES = ((3, 6),)
-NUM_STAGES = 3   # jax-triton's default; the kernels have no pipelined loops
+NUM_STAGES = 3   # jax-triton's default; a pipelined loop (paged attention's) sets its own
 POINTER_TYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32",
                  "float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5", "uint8": "*u8",
                  "int32": "*i32", "int64": "*i64"}
