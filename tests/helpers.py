@@ -52,6 +52,18 @@ def jnp_where_jax_runs_on_the_cpu() -> list:
     return [pytest.mark.jnp] if jax.default_backend() == "cpu" else []
 
 
+def block_scaled_dequant_args(write_args: dict, fmt: str, **changes) -> dict:
+    """``dequantize_pages`` arguments over the caches and block-scale caches of a good
+    ``write_kv`` call of the block-scaled format ``fmt`` (a one-sequence, two-page table), with
+    ``changes`` (``cache_format`` among them too)."""
+    args = dict(key_cache=write_args["key_cache"], value_cache=write_args["value_cache"],
+                block_table=torch.zeros(1, 2, dtype=torch.int32),
+                key_scale_cache=write_args["key_scale_cache"],
+                value_scale_cache=write_args["value_scale_cache"], cache_format=fmt)
+    args.update(changes)
+    return args
+
+
 def raises_and_writes_nothing(call, args: dict, exc, match) -> None:
     """``call(**args)`` raises ``exc`` matching ``match`` and leaves every cache and scale-cache
     tensor among ``args`` as it was."""

@@ -16,7 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.cases import as_uint, random_values  # noqa: E402
-from tests.helpers import bits, raises_and_writes_nothing, requires_cuda, to_torch  # noqa: E402
+from tests.helpers import (bits, block_scaled_dequant_args, raises_and_writes_nothing,  # noqa: E402
+                           requires_cuda, to_torch)
 from tests.nvfp4_cases import CASES, E2M1, NvCase, inputs, ref_write  # noqa: E402
 from fp8kv import reference as ref  # noqa: E402
 from fp8kv.modes import Division  # noqa: E402
@@ -335,13 +336,7 @@ def test_write_errors_write_nothing(name, args, exc, match):
 
 
 def _dq(**changes):
-    args = _good()
-    args = dict(key_cache=args["key_cache"], value_cache=args["value_cache"],
-                block_table=torch.zeros(1, 2, dtype=torch.int32),
-                key_scale_cache=args["key_scale_cache"],
-                value_scale_cache=args["value_scale_cache"], cache_format="nvfp4")
-    args.update(changes)
-    return args
+    return block_scaled_dequant_args(_good(), "nvfp4", **changes)
 
 
 DEQUANT_ERRORS = [
