@@ -1,6 +1,6 @@
 """NVFP4 caches (torch): the write at a large batch and under CUDA-graph replay, and the
 dequantize to bf16 and to an FP8 workspace, with e4m3 rows of the same shapes beside them and
-plan variants for tuning (``fp8kv.plan.NVFP4_WRITE_SIZES`` / ``NVFP4_DEQUANT_SIZES``).
+plan variants for tuning (``fp8kv.write.NVFP4_WRITE_SIZES`` / ``NVFP4_DEQUANT_SIZES``).
 
 Bytes count what an nvfp4 call must move: bf16 K and V read, half a byte of code plus 1/16 byte
 of block scale written per element (the reverse for a dequantize), slots or tables.
@@ -12,7 +12,7 @@ import functools
 import torch
 
 import fp8kv_torch
-from fp8kv import plan
+from fp8kv import dequantize, plan, write
 from fp8kv.modes import Division
 
 from .common import Config, Timer, free_memory, num_sets
@@ -102,7 +102,7 @@ def _write_rows(table: Table, timer: Timer, mode: str, device, cfg: Config, toke
     table.add(name, tokens, "fp8kv", mode, timer.time(mode, calls), write_bytes(tokens))
     if timer.cuda:
         for label, entries in variants.items():
-            with planned_with(plan.NVFP4_WRITE_SIZES, plan.CUDA, **entries):
+            with planned_with(write.NVFP4_WRITE_SIZES, plan.CUDA, **entries):
                 table.add(name, tokens, f"fp8kv, {label}", mode, timer.time(mode, calls),
                           write_bytes(tokens))
         e4m3 = build_write_case(device, cfg, tokens)
@@ -122,7 +122,7 @@ def table_nvfp4(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
         "an e4m3 scale per 16 elements, one device global scale), random slots / distinct "
         "random pages. Bytes: bf16 K and V, codes (half a byte per element) and block scales "
         "(1/16 byte), slots or tables. `e4m3` rows: the FP8 cache's call at the same size. "
-        "`fp8kv, ...` rows change one entry of fp8kv.plan.NVFP4_WRITE_SIZES / "
+        "`fp8kv, ...` rows change one entry of fp8kv.write.NVFP4_WRITE_SIZES / "
         "NVFP4_DEQUANT_SIZES." + (" `graph N`: CUDA-graph replay of an N-token write."
                                   if timer.cuda else ""),
         plot="bars")
@@ -148,7 +148,7 @@ def table_nvfp4(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
             fp8 = dtype == torch.float8_e4m3fn
             variants = dict(DEQUANT_VARIANTS, **(FP8_DEQUANT_VARIANTS if fp8 else {}))
             for label, entries in variants.items():
-                with planned_with(plan.NVFP4_DEQUANT_SIZES, plan.CUDA, **entries):
+                with planned_with(dequantize.NVFP4_DEQUANT_SIZES, plan.CUDA, **entries):
                     table.add(name, pages, f"fp8kv, {label}", mode, timer.time(mode, calls),
                               nbytes)
             table.add_roofline(name, pages, nbytes, copy_gbps)

@@ -17,7 +17,7 @@ Bytes are the fused op's minimal traffic for every provider of a row (Q in and o
 codes and scales out, cos/sin rows, positions, slots); the unfused pair moves more (the rotated
 q and k make a round trip), which is what its longer time shows. Small sizes (1-256 tokens)
 are CUDA-graph replays; the ``fused, ...`` rows after them change one small-batch entry of
-``fp8kv.plan_rope.ROPE_SIZES``, to choose the defaults.
+``fp8kv.rope_write.ROPE_SIZES``, to choose the defaults.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 import fp8kv_torch
-from fp8kv import plan, plan_rope
+from fp8kv import plan, rope_write
 from fp8kv.modes import Division
 from fp8kv.ops import interpreted
 
@@ -231,14 +231,14 @@ def table_rope(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
                           nbytes)
         if timer.cuda and tokens == large:
             for label, entries in LARGE_VARIANTS.items():
-                with planned_with(plan_rope.ROPE_SIZES, plan.CUDA, **entries):
+                with planned_with(rope_write.ROPE_SIZES, plan.CUDA, **entries):
                     for fused, _, kind in PROVIDERS:
                         table.add(name, tokens, f"{fused}, {label}", "graph",
                                   timer.time("graph", [case.fused(**kind)]),
                                   rope_bytes(tokens, **kind))
         if timer.cuda and tokens in small:
             for label, entries in PLAN_VARIANTS.items():
-                with planned_with(plan_rope.ROPE_SIZES, plan.CUDA, tiny_batch_tokens=0,
+                with planned_with(rope_write.ROPE_SIZES, plan.CUDA, tiny_batch_tokens=0,
                                   tiny_batch_tokens_dynamic=0, tiny_batch_tokens_fp8q=0,
                                   **entries):
                     for fused, _, kind in PROVIDERS:

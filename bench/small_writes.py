@@ -5,7 +5,7 @@ the kernel's own latency: its first loads (slots, K/V rows, the scale), the divi
 The rows compare fp8kv's write (exact IEEE division) with two plain writers of the kind engines
 ship (bench/anchors.py, Triton's ``/``): the tiled one-program-per-token writer (2,048-element
 tiles, 16 warps) and the SGLang-style one (one tile per row, 4 warps); then fp8kv with other
-small-batch entries of ``fp8kv.plan.WRITE_SIZES`` (the split of a few tokens' rows over
+small-batch entries of ``fp8kv.write.WRITE_SIZES`` (the split of a few tokens' rows over
 programs, warps, the division), measured in the same run to choose them.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 import fp8kv_torch
-from fp8kv import plan
+from fp8kv import plan, write
 from fp8kv.modes import Division
 
 from . import anchors
@@ -66,7 +66,7 @@ def table_write_small(device, cfg: Config, timer: Timer, copy_gbps: float) -> Ta
             table.add(name, tokens, provider, mode, timer.time(mode, fns), case.nbytes)
         if timer.cuda:
             for label, entries in PLAN_VARIANTS.items():
-                with planned_with(plan.WRITE_SIZES, plan.CUDA, **entries):
+                with planned_with(write.WRITE_SIZES, plan.CUDA, **entries):
                     table.add(name, tokens, label, mode, timer.time(mode, case.fp8kv_calls()),
                               case.nbytes)
         del case, providers

@@ -7,8 +7,9 @@ import itertools
 
 import torch
 
-from fp8kv import attention, plan
-from fp8kv.validate import check_write, frontend_args
+from fp8kv import attention, dequantize, plan, write
+from fp8kv.validate import frontend_args
+from fp8kv.write import check_write
 from fp8kv_torch._launch import clear_launch_caches, info
 
 from . import attention as attention_bench
@@ -49,7 +50,7 @@ def _write_plan(case, backend: str) -> plan.LaunchPlan:
     args = check_write(**frontend_args(info, torch.Tensor, arrays, case.key_scale,
                                        case.value_scale, None, None),
                        layout=case.layout, fp8_format=None)
-    return plan.plan_write(args, backend)
+    return write.plan_write(args, backend)
 
 
 def _sweep_write(device, cfg: Config, timer: Timer, backend: str, mode: str, tokens: int) -> Table:
@@ -57,13 +58,13 @@ def _sweep_write(device, cfg: Config, timer: Timer, backend: str, mode: str, tok
                   "`WRITE_SIZES` candidates, fastest first; `->` gives the launched block "
                   "(tokens x row elements) and warps, as the plan may override the warps.",
                   plot="bars", sort=True)
-    sizes = plan.WRITE_SIZES[backend]
+    sizes = write.WRITE_SIZES[backend]
     small = tokens * HEADS * HEAD_DIM <= sizes["small_batch_elems"]
     default = (sizes["tile"], sizes["small_batch_warps" if small else "num_warps"])
     case = build_write_case(device, cfg, tokens)
     fns = case.fp8kv_calls()
     for tile, warps in itertools.product(TILES, WARPS):
-        with planned_with(plan.WRITE_SIZES, backend, tile=tile, max_block_hd=tile,
+        with planned_with(write.WRITE_SIZES, backend, tile=tile, max_block_hd=tile,
                           num_warps=warps, small_batch_warps=warps):
             launched = _write_plan(case, backend)
             c = launched.constexprs["TILE"]
@@ -78,12 +79,12 @@ def _sweep_dequant(device, cfg: Config, timer: Timer, backend: str, mode: str) -
     table = Table("sweep_dequant", f"Sweep: dequantize block and warps at {name}",
                   "`DEQUANT_SIZES` candidates, fastest first (block: elements of a page per "
                   "program).", plot="bars", sort=True)
-    default = plan.DEQUANT_SIZES[backend]
+    default = dequantize.DEQUANT_SIZES[backend]
     default = (default["block"], default["num_warps"])
     case = build_dequant_case(device, cfg, batch, pages_per_seq)
     fns = case.fp8kv_calls()
     for block, warps in itertools.product(BLOCKS, WARPS):
-        with planned_with(plan.DEQUANT_SIZES, backend,
+        with planned_with(dequantize.DEQUANT_SIZES, backend,
                           block=block, num_warps=warps):
             label = f"block {block}, {warps}w" + (" (default)" if (block, warps) == default else "")
             table.add(label, batch * pages_per_seq, "fp8kv", mode,
@@ -100,7 +101,7 @@ def _sweep_division(device, cfg: Config, timer: Timer, backend: str, mode: str) 
     for tokens in cfg.sweep_write_tokens:
         case = build_write_case(device, cfg, tokens)
         for reciprocal in (False, True):
-            with planned_with(plan.WRITE_SIZES, backend, reciprocal_div=reciprocal):
+            with planned_with(write.WRITE_SIZES, backend, reciprocal_div=reciprocal):
                 table.add(f"write {tokens_case(tokens)}", tokens,
                           "reciprocal" if reciprocal else "div_rn", mode,
                           timer.time(mode, case.fp8kv_calls(), sweep=True), case.nbytes)

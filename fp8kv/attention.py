@@ -16,14 +16,14 @@ from typing import NamedTuple
 import numpy as np
 import triton
 
+from . import reference, validate
 from .arrays import ArrayInfo, fmt_shape
 from .constexprs import Cache, Side, Strides
 from .formats import Format
 from .layout import LAYOUTS, Layers, PagedCache
 from .modes import OUT_KIND_OF_DTYPE, LayerKind, ScaleKind, SideScale
 from .operands import Operand, OperandMap
-from .plan import CUDA, INTERPRET, LaunchPlan, cache_record, strides
-from . import reference, validate
+from .plan import CUDA, INTERPRET, cache_record, LaunchPlan, strides
 
 QUERY_DTYPES = ("bfloat16", "float16")
 PLAIN_DTYPES = QUERY_DTYPES            # unquantized caches: read as stored
@@ -201,7 +201,7 @@ def _check_vector(info, name: str, dtype: str, length: int, device: str, what: s
 
 def _plain_caches(key_cache, value_cache, kv_cache, layout, query):
     """Unquantized caches: ``(kc, vc, rank)``, the caches' dtype the query's."""
-    for name, cache in validate._named_caches(key_cache, value_cache, kv_cache).items():
+    for name, cache in validate.named_caches(key_cache, value_cache, kv_cache).items():
         if cache.dtype != query.dtype:
             raise TypeError(f"{name}: expected dtype {query.dtype} (that of query) for an "
                             f"unquantized cache, got {cache.dtype}")
@@ -226,7 +226,7 @@ def check_attention(query, key_cache=None, value_cache=None, block_table=None, s
     layout = validate.check_choice(layout, "layout", LAYOUTS)
     if not isinstance(query, ArrayInfo):
         raise TypeError(f"query: expected an array, got {type(query).__name__}")
-    caches = validate._named_caches(key_cache, value_cache, kv_cache)
+    caches = validate.named_caches(key_cache, value_cache, kv_cache)
     device = validate.check_same_device({"query": query, **caches, "block_table": block_table,
                                          "seq_lens": seq_lens})
     validate.check_dtype(query, "query", QUERY_DTYPES)
@@ -269,7 +269,7 @@ def check_attention(query, key_cache=None, value_cache=None, block_table=None, s
         if fmt.block_scaled:
             elems = kc.head_dim * fmt.codes_per_byte
             validate.check_block_head_dim(elems, fmt, cache_name)
-            ks, vs = validate._block_side_scales(key_scale, value_scale, key_scale_cache,
+            ks, vs = validate.block_side_scales(key_scale, value_scale, key_scale_cache,
                                                  value_scale_cache, kc, vc, layout, rank,
                                                  device, kc.num_heads, fmt)
         else:
@@ -279,7 +279,7 @@ def check_attention(query, key_cache=None, value_cache=None, block_table=None, s
             kc, vc, pad = validate.check_inline(key_scale_cache, value_scale_cache, kc, vc,
                                                 head_dim, cache_name)
             elems = kc.head_dim
-            ks, vs = validate._side_scales(key_scale, value_scale, key_scale_cache,
+            ks, vs = validate.side_scales(key_scale, value_scale, key_scale_cache,
                                            value_scale_cache, kc, vc, layout, rank, device,
                                            kc.num_heads)
         if layers is not None and fmt.block_scaled:

@@ -20,11 +20,11 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from .attention import (attention_bounds, attention_operands, check_attention)
-from .operands import dequantize_operands, rope_write_operands, write_operands
-from .validate import (check_dequantize, check_layer_in_range, check_slots_in_range,
-                       check_table_in_range, check_write, dequantized_shape)
-from .validate_rope import check_positions_in_range, check_rope_write
+from . import attention, dequantize, rope_write, write
+from .attention import attention_bounds, attention_operands, check_attention
+from .dequantize import check_dequantize, dequantize_bounds, dequantize_made, dequantize_operands
+from .rope_write import check_rope_write, rope_bounds, rope_made, rope_write_operands
+from .write import check_write, write_bounds, write_operands
 
 TORCH, JAX = "torch", "jax"
 
@@ -88,7 +88,10 @@ class Op:
     validated call; ``bounds(args, read)`` is the opt-in ``check_bounds`` (``read(name)``: the
     argument's values on the host); ``made(args)`` ``{output: (shape, dtype)}`` of the outputs
     a call makes; ``empty(args)``: nothing to compute (no launch); ``operands(args)``: the
-    kernel's operand map (:mod:`fp8kv.operands`).
+    kernel's operand map (:mod:`fp8kv.operands`); ``plan(args, outs, backend, exact, aligned)``
+    its launch plan (``outs``: ``{output: ArrayInfo}`` of the outputs a call makes or is given;
+    ``aligned``: every array starts at a multiple of 16 bytes), whose ``kernel`` names the kernel
+    in :mod:`fp8kv.ops`.
     """
 
     name: str
@@ -98,6 +101,7 @@ class Op:
     made: Callable
     empty: Callable
     operands: Callable
+    plan: Callable
     returns: tuple[str, ...]      # JAX's results, in order (side arrays only where given)
     splits: tuple[str, ...]       # the cache dimensions a sharded call may split
     reads: tuple[str, ...]        # what check_bounds reads on the host (named first: the first)
@@ -188,45 +192,18 @@ CHECK_BOUNDS = _option("check_bounds", "read indices on the host and raise past 
 LAYER = Arg("layer", Role.LAYER, "the layer of stacked caches", optional=True, dims="any")
 
 
-def _layer_in_range(args, read) -> None:
-    if args.layers is not None:
-        check_layer_in_range(read("layer"), args.layers.num_layers)
-
-
-def _write_bounds(args, read) -> None:
-    _layer_in_range(args, read)
-    check_slots_in_range(read("slots"), args.key_cache.num_slots)
-
-
-def _dequantize_bounds(args, read) -> None:
-    _layer_in_range(args, read)
-    check_table_in_range(read("block_table"), args.key_cache.num_pages, args.null_page)
-
-
-def _rope_bounds(args, read) -> None:
-    check_positions_in_range(read("positions"), args.max_position)
-    check_slots_in_range(read("slots"), args.write.key_cache.num_slots)
-
-
-def _dequantize_made(args) -> dict:
-    pages = (dequantized_shape(args, args.combined), args.out_dtype)
-    names = ("kv_out",) if args.combined else ("key_out", "value_out")
-    return {**dict.fromkeys(names, pages), "table_out": ((args.batch, args.pages_per_seq), "int32")}
-
-
-def _rope_made(args) -> dict:
-    made = {"query_out": (args.query.shape, args.query_out.dtype)}
-    if args.key_out is not None:
-        made["key_out"] = (args.write.key.shape, args.write.key.dtype)
-    return made
+def _from_shapes(plan: Callable) -> Callable:
+    """The table's planner of a ``plan(args, backend, exact)`` that reads the validated call
+    alone (not the outputs' arrays or their alignment)."""
+    return lambda args, outs, backend, exact=None, aligned=True: plan(args, backend, exact)
 
 
 WRITE_KV = Op(
     "write_kv",
     (*KEY_VALUE, *_caches(updated=True), SLOTS, *_scales("key", "value"), LAYOUT, FP8_FORMAT,
      *_sides(updated=True), SCALE_ROUNDING, CHECK_BOUNDS, CACHE_FORMAT, LAYER),
-    check_write, _write_bounds, lambda args: {}, lambda args: args.num_tokens == 0,
-    write_operands,
+    check_write, write_bounds, lambda args: {}, lambda args: args.num_tokens == 0,
+    write_operands, _from_shapes(write.plan_write),
     returns=("key_cache", "value_cache", "key_scale_cache", "value_scale_cache"),
     splits=("h", "p", "l"), reads=("slots", "layer"))
 
@@ -249,9 +226,9 @@ DEQUANTIZE_PAGES = Op(
      CHECK_BOUNDS, CACHE_FORMAT,
      Arg("out_scale", Role.SCALE, "the FP8 pages' scale", optional=True, dims="any"), LAYER,
      *_PAGES, _TABLE_OUT),
-    check_dequantize, _dequantize_bounds, _dequantize_made,
+    check_dequantize, dequantize_bounds, dequantize_made,
     lambda args: args.batch * args.pages_per_seq == 0, dequantize_operands,
-    returns=("key_out", "value_out", "table_out"), splits=("h",),
+    dequantize.plan_call, returns=("key_out", "value_out", "table_out"), splits=("h",),
     reads=("block_table", "layer"))
 
 ROPE_WRITE_KV = Op(
@@ -269,8 +246,8 @@ ROPE_WRITE_KV = Op(
          frontends=(TORCH,)),
      _option("return_key", "also return the rotated key", frontends=(JAX,)),
      *_sides(updated=True), SCALE_ROUNDING, CHECK_BOUNDS),
-    check_rope_write, _rope_bounds, _rope_made, lambda args: args.num_tokens == 0,
-    rope_write_operands,
+    check_rope_write, rope_bounds, rope_made, lambda args: args.num_tokens == 0,
+    rope_write_operands, _from_shapes(rope_write.plan_rope_write),
     returns=("query_out", "key_cache", "value_cache", "key_scale_cache", "value_scale_cache",
              "key_out"),
     splits=("h", "p"), reads=("positions", "slots"), paged="write")
@@ -297,7 +274,8 @@ PAGED_ATTENTION = Op(
      Arg("out", Role.OUTPUT, "the attention output", optional=True, made=True, dims="t H d",
          frontends=(TORCH,), result="out", contiguous=True)),
     check_attention, attention_bounds, lambda args: {"out": (args.out_shape, args.out_dtype)},
-    lambda args: args.num_tokens == 0, attention_operands, returns=("out",), splits=("h",),
+    lambda args: args.num_tokens == 0, attention_operands,
+    _from_shapes(attention.plan_attention), returns=("out",), splits=("h",),
     reads=("seq_lens", "query_start_loc", "layer"), workspace=("partial_out", "partial_stats"))
 
 

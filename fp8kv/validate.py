@@ -6,16 +6,15 @@ dtype, ``ValueError`` for a wrong value, shape, layout or device.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 from numbers import Real
 
 import numpy as np
 
 from .arrays import ArrayInfo, fmt_shape
 from .formats import (CACHE_DTYPES, FORMAT_OF_DTYPE, FORMATS, FP8_FORMATS, FP8_OUTPUT_DTYPE,
-                      INPUT_DTYPES, SLOT_DTYPES, Format, resolve_format)
-from .layout import (INLINE_PADS, LAYOUTS, Layers, PagedCache, block_scales_shape,
-                     combined_halves, expected_cache_shape, inline_data, paged, pages_shape,
+                      Format, resolve_format)
+from .layout import (INLINE_PADS, Layers, PagedCache, block_scales_shape,
+                     combined_halves, expected_cache_shape, inline_data, paged,
                      scale_cache as scale_cache_geometry, scale_cache_shapes)
 from .modes import ScaleKind, SideScale
 
@@ -127,7 +126,7 @@ def check_cache(cache: ArrayInfo, layout: str, name: str, combined: bool = False
     return combined_halves(cache, layout) if combined else paged(cache, layout)
 
 
-def _named_caches(key_cache, value_cache, kv_cache) -> dict:
+def named_caches(key_cache, value_cache, kv_cache) -> dict:
     if kv_cache is not None:
         return {"kv_cache": kv_cache}
     return {"key_cache": key_cache, "value_cache": value_cache}
@@ -288,7 +287,7 @@ def check_block_scales(scale_cache, name: str, cache: PagedCache, layout: str, r
     return paged(scale_cache, layout)
 
 
-def _block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
+def block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
                        layout, rank, device, num_heads, fmt) -> tuple[SideScale, SideScale]:
     """Both sides of a block-scaled format: the block scales and, for a packed format (nvfp4),
     a static global scale; the others' block scales are their only scales."""
@@ -319,7 +318,7 @@ def check_out_scale(out_scale, out_dtype: str, device: str) -> SideScale:
     return check_scale(out_scale, "out_scale", 1, device)
 
 
-def _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc, layout, rank,
+def side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc, layout, rank,
                  device, num_heads) -> tuple[SideScale, SideScale]:
     """Both sides' :class:`~fp8kv.modes.SideScale`, static or dynamic."""
     sides = []
@@ -339,181 +338,6 @@ def check_layers_supported(layers, fmt: Format) -> None:
                          f"take the FP8 formats; pass one layer's caches), got a layer")
 
 
-@dataclass(frozen=True)
-class WriteArgs:
-    """A validated ``write_kv`` / ``write_kv_combined`` call: what the plan and the operand map
-    (:mod:`fp8kv.operands`) are made from."""
-
-    num_tokens: int
-    key: ArrayInfo
-    value: ArrayInfo
-    key_cache: PagedCache
-    value_cache: PagedCache
-    fmt: Format
-    key_scale: SideScale
-    value_scale: SideScale
-    layout: str
-    combined: bool  # one kv_cache [num_pages, 2, ...]: both cache operands, V at its offset
-    # The inline pad (0: none; then both sides are inline and key_cache/value_cache describe the
-    # data columns only) and the rounding of dynamic scales.
-    inline_pad: int = 0
-    scale_pow2: bool = False
-    # Stacked caches (layer=): the layer axis and the layer; None without layer=.
-    layers: Layers | None = None
-
-
-def check_write(key, value, key_cache=None, value_cache=None, slots=None, key_scale=None,
-                value_scale=None, *, layout,
-                fp8_format, kv_cache=None, key_scale_cache=None, value_scale_cache=None,
-                scale_rounding="exact", cache_format=None, layer=None) -> WriteArgs:
-    """Validate ``write_kv`` (or, with ``kv_cache``, ``write_kv_combined``) arguments."""
-    layout = check_choice(layout, "layout", LAYOUTS)
-    device = check_same_device({"key": key, "value": value, **_named_caches(key_cache, value_cache,
-                                                                             kv_cache), "slots": slots})
-    (key_cache, value_cache, kv_cache, key_scale_cache, value_scale_cache), layers = unstack(
-        layer, device, key_cache, value_cache, kv_cache, key_scale_cache, value_scale_cache)
-    for name, x in (("key", key), ("value", value)):
-        check_dtype(x, name, INPUT_DTYPES)
-        if x.ndim != 3:
-            raise ValueError(f"{name}: expected rank 3 [num_tokens, num_kv_heads, head_dim], got shape "
-                             f"{fmt_shape(x.shape)}")
-        check_unit_last_stride(x, name)
-    if value.shape != key.shape:
-        raise ValueError(f"value: expected the shape of key {fmt_shape(key.shape)}, got "
-                         f"{fmt_shape(value.shape)}")
-    if value.dtype != key.dtype:
-        raise TypeError(f"value: expected the dtype of key ({key.dtype}), got {value.dtype}")
-    kc, vc, fmt, rank = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format,
-                                     cache_format)
-    check_layers_supported(layers, fmt)
-    cache_name = "kv_cache" if kv_cache is not None else "key_cache"
-    num_tokens, num_heads, head_dim = key.shape
-    key_scale_cache = check_scale_cache_arg(key_scale_cache, "key_scale_cache", fmt=fmt)
-    value_scale_cache = check_scale_cache_arg(value_scale_cache, "value_scale_cache", fmt=fmt)
-    pow2 = check_choice(scale_rounding, "scale_rounding", SCALE_ROUNDINGS) == "pow2"
-    if fmt.block_scaled:   # block scales by the format's rule, no inline scales
-        check_block_head_dim(head_dim, fmt, "key")
-        if pow2:
-            raise ValueError(f"scale_rounding: expected 'exact' for cache_format={fmt.name!r} "
-                             f"(its block scales are {fmt.blocks.scale.name}, made by the "
-                             f"format's rule), got 'pow2'")
-        pad = 0
-    else:
-        kc, vc, pad = check_inline(key_scale_cache, value_scale_cache, kc, vc, head_dim,
-                                   cache_name)
-    elems = kc.head_dim * fmt.codes_per_byte   # the cache's head_dim in elements
-    if (kc.num_heads, elems) != (num_heads, head_dim):
-        other = "HND" if layout == "NHD" else "NHD"
-        fits_other = kc.page_size == num_heads and elems == head_dim  # heads <-> page_size
-        hint = f"; these shapes fit layout={other!r}" if fits_other else ""
-        packed = (f" (a last dimension of {kc.head_dim} bytes, {fmt.codes_per_byte} codes per "
-                  f"byte)" if fmt.codes_per_byte > 1 else "")
-        raise ValueError(f"{cache_name}: expected num_kv_heads={num_heads} and head_dim={head_dim} "
-                         f"(those of key), got num_kv_heads={kc.num_heads} and head_dim={elems}"
-                         f"{packed} with layout={layout!r}{hint}")
-    check_dtype(slots, "slots", SLOT_DTYPES)
-    if slots.shape != (num_tokens,):
-        raise ValueError(f"slots: expected shape [{num_tokens}] (one per token), got "
-                         f"{fmt_shape(slots.shape)}")
-    check_contiguous(slots, "slots")
-    if fmt.block_scaled:
-        ks, vs = _block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
-                                    kc, vc, layout, rank, device, num_heads, fmt)
-    else:
-        ks, vs = _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
-                              layout, rank, device, num_heads)
-    return WriteArgs(num_tokens, key, value, kc, vc, fmt, ks, vs, layout, kv_cache is not None,
-                     pad, pow2, layers)
-
-
-@dataclass(frozen=True)
-class DequantArgs:
-    """A validated ``dequantize_pages`` / ``dequantize_pages_combined`` call (a combined cache
-    gives a combined output)."""
-
-    batch: int
-    pages_per_seq: int
-    block_table: ArrayInfo
-    key_cache: PagedCache
-    value_cache: PagedCache
-    fmt: Format
-    out_dtype: str
-    layout: str
-    cache_rank: int
-    null_page: int | None
-    key_scale: SideScale
-    value_scale: SideScale
-    combined: bool = False
-    inline_pad: int = 0
-    # Of an FP8 output (nvfp4 caches). None stands for no scale: a dataclass instance as a default
-    # is a constant torch 2.11's Dynamo cannot trace (the torch.compile path validates).
-    out_scale: SideScale | None = None
-    layers: Layers | None = None         # stacked caches (layer=), as in WriteArgs
-    @property
-    def head_dim(self) -> int:
-        """The pages' head_dim, in elements (nvfp4: two per cache byte)."""
-        return self.key_cache.head_dim * self.fmt.codes_per_byte
-
-
-def check_dequantize(key_cache=None, value_cache=None, block_table=None, key_scale=None,
-                     value_scale=None, *, dtype, layout,
-                     fp8_format, null_page, kv_cache=None, key_scale_cache=None,
-                     value_scale_cache=None, head_dim=None, cache_format=None,
-                     out_scale=None, layer=None) -> DequantArgs:
-    layout = check_choice(layout, "layout", LAYOUTS)
-    device = check_same_device({**_named_caches(key_cache, value_cache, kv_cache),
-                                "block_table": block_table})
-    (key_cache, value_cache, kv_cache, key_scale_cache, value_scale_cache), layers = unstack(
-        layer, device, key_cache, value_cache, kv_cache, key_scale_cache, value_scale_cache)
-    kc, vc, fmt, rank = check_caches(key_cache, value_cache, kv_cache, layout, fp8_format,
-                                     cache_format)
-    check_layers_supported(layers, fmt)
-    cache_name = "kv_cache" if kv_cache is not None else "key_cache"
-    key_scale_cache = check_scale_cache_arg(key_scale_cache, "key_scale_cache", fmt=fmt)
-    value_scale_cache = check_scale_cache_arg(value_scale_cache, "value_scale_cache", fmt=fmt)
-    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
-        raise TypeError(f"head_dim: expected None or an int, got {type(head_dim).__name__}")
-    if fmt.block_scaled:   # the pages hold codes_per_byte x the caches' last dimension
-        elems = kc.head_dim * fmt.codes_per_byte
-        if head_dim is not None and head_dim != elems:
-            raise ValueError(f"head_dim: expected that of {cache_name} ({elems}: {kc.head_dim} "
-                             f"bytes of {fmt.codes_per_byte} codes), got {head_dim}")
-        check_block_head_dim(elems, fmt, cache_name)
-        pad = 0
-    else:
-        if key_scale_cache == INLINE or value_scale_cache == INLINE:
-            if head_dim is None:
-                raise ValueError("head_dim: expected an int with an inline scale cache (the last "
-                                 "dimension is head_dim + 4 or head_dim + 16), got None")
-        elif head_dim is not None and head_dim != kc.head_dim:
-            raise ValueError(f"head_dim: expected the last dimension of {cache_name} "
-                             f"({kc.head_dim}) without an inline scale cache, got {head_dim}")
-        kc, vc, pad = check_inline(key_scale_cache, value_scale_cache, kc, vc, head_dim,
-                                   cache_name)
-    if dtype not in fmt.out_dtypes:
-        allowed = ", ".join(fmt.out_dtypes[:-1]) + " or " + fmt.out_dtypes[-1]
-        takers = [f.name for f in FORMATS.values() if dtype in f.out_dtypes]
-        hint = (f" ({dtype} output is for cache_format="
-                f"{' or '.join(repr(n) for n in takers)})" if takers else "")
-        raise TypeError(f"dtype: expected {allowed}{hint}, got {dtype}")
-    check_dtype(block_table, "block_table", ("int32", "int64"))
-    if block_table.ndim != 2:
-        raise ValueError(f"block_table: expected rank 2 [batch, pages_per_seq], got shape "
-                         f"{fmt_shape(block_table.shape)}")
-    if null_page is not None and (isinstance(null_page, bool) or not isinstance(null_page, int)):
-        raise TypeError(f"null_page: expected None or an int, got {type(null_page).__name__}")
-    if fmt.block_scaled:
-        ks, vs = _block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
-                                    kc, vc, layout, rank, device, kc.num_heads, fmt)
-    else:
-        ks, vs = _side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
-                              layout, rank, device, kc.num_heads)
-    os = check_out_scale(out_scale, dtype, device)
-    batch, pages_per_seq = block_table.shape
-    return DequantArgs(batch, pages_per_seq, block_table, kc, vc, fmt, dtype, layout, rank,
-                       null_page, ks, vs, kv_cache is not None, pad, os, layers)
-
-
 def frontend_args(info, array_type: type, arrays: dict, scales: dict) -> dict:
     """:func:`check_write` / :func:`check_dequantize` arguments by name, from a frontend's own:
     ``info(x, name)`` of each of ``arrays`` (the arrays the call must have: it raises for a wrong
@@ -524,12 +348,6 @@ def frontend_args(info, array_type: type, arrays: dict, scales: dict) -> dict:
     args.update((name, info(x, name) if isinstance(x, array_type) else x)
                 for name, x in scales.items())
     return args
-
-
-def dequantized_shape(args: DequantArgs, combined: bool) -> tuple[int, ...]:
-    """Shape of ``key_pages`` (or of the combined output): ``head_dim`` elements per head row."""
-    return pages_shape(replace(args.key_cache, head_dim=args.head_dim), args.layout,
-                       args.cache_rank, args.batch * args.pages_per_seq, combined)
 
 
 def check_out(out: ArrayInfo, name: str, shape, dtypes, device: str) -> None:
@@ -554,21 +372,6 @@ def check_slots_in_range(slots, num_slots: int) -> None:
         raise ValueError(f"slots: expected every slot < {num_slots} (num_pages * page_size) or "
                          f"< 0 (padding), got {bad.size} past the cache, the first slots[{i}] = "
                          f"{int(np.asarray(slots)[i])}")
-
-
-def check_table_in_range(block_table, num_pages: int, null_page: int | None) -> None:
-    """The opt-in bounds check of ``dequantize_pages``: every entry names a page or is padding
-    (< 0, or ``null_page``)."""
-    table = np.asarray(block_table)
-    past = table >= num_pages
-    if null_page is not None:
-        past &= table != null_page
-    bad = np.argwhere(past)
-    if bad.size:
-        b, p = (int(i) for i in bad[0])
-        raise ValueError(f"block_table: expected every entry < {num_pages} (num_pages) or < 0 "
-                         f"(padding), got {len(bad)} past the cache, the first "
-                         f"block_table[{b}, {p}] = {int(table[b, p])}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,7 +411,7 @@ def unstack(layer, device: str, key_cache, value_cache, kv_cache, key_scale_cach
     layer = check_layer(layer, device)
     if layer is None:
         return arrays, None
-    caches = _named_caches(key_cache, value_cache, kv_cache)
+    caches = named_caches(key_cache, value_cache, kv_cache)
     ranks = "5 or 6" if kv_cache is not None else "4 or 5"
     for name, cache in caches.items():
         if not isinstance(cache, ArrayInfo) or cache.ndim not in ((5, 6) if kv_cache is not None
@@ -650,3 +453,10 @@ def check_layer_in_range(layer, num_layers: int) -> None:
     value = int(np.asarray(layer))
     if not 0 <= value < num_layers:
         raise ValueError(f"layer: expected 0 <= layer < {num_layers} (num_layers), got {value}")
+
+
+def check_stack_bounds(args, read) -> None:
+    """The opt-in bounds check of a validated call's ``layer=`` (``read("layer")``: its host
+    value); nothing without stacked caches."""
+    if args.layers is not None:
+        check_layer_in_range(read("layer"), args.layers.num_layers)

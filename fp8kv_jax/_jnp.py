@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp8kv.dequantize import DequantArgs
 from fp8kv.formats import CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, E4M3, FP8_OUTPUT_DTYPE, NVFP4
 from fp8kv.modes import ScaleKind, SideScale
-from fp8kv.validate import DequantArgs
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 

@@ -19,11 +19,9 @@ import numpy as np
 from fp8kv.arrays import ArrayInfo
 from fp8kv.attention import attention_operands, merge_operands, plan_attention
 from fp8kv.binding import bind
-from fp8kv.operands import OperandMap, dequantize_operands, rope_write_operands, write_operands
+from fp8kv.operands import OperandMap
 from fp8kv.optable import OPS
-from fp8kv.plan import CUDA, plan_dequantize, plan_write
-from fp8kv.plan_rope import plan_rope_write
-from fp8kv.validate import dequantized_shape
+from fp8kv.plan import CUDA
 
 from . import _xla_triton
 from ._args import DEVICE
@@ -96,48 +94,35 @@ def _launch(kernel, plan, operands: OperandMap, arrays: dict, new: dict | None =
 
 def write_kv(arrays: dict, *, args) -> dict:
     """As :func:`fp8kv_jax._jnp.write_kv`."""
-    return _write_kv(arrays, args=args, xla=_xla_triton.enabled() and not args.fmt.packed)
+    return _one_kernel(arrays, op="write_kv", args=args,
+                       xla=_xla_triton.enabled() and not args.fmt.packed)
 
 
 def dequantize_pages(arrays: dict, *, args) -> dict:
     """As :func:`fp8kv_jax._jnp.dequantize_pages`."""
-    return _dequantize_pages(arrays, args=args,
-                             xla=_xla_triton.enabled() and not args.fmt.packed)
+    return _one_kernel(arrays, op="dequantize_pages", args=args,
+                       xla=_xla_triton.enabled() and not args.fmt.packed)
+
+
+def rope_write_kv(arrays: dict, *, args) -> dict:
+    """As :func:`fp8kv_jax._jnp.rope_write_kv`: a given ``query_out`` is aliased (written in
+    place when donated), a missing one and ``key_out`` are new outputs."""
+    return _one_kernel(arrays, op="rope_write_kv", args=args, xla=False)
 
 
 # The path is a static argument: FP8KV_JAX_XLA_TRITON is read per call, and a jitted function
 # traced for one path must not serve the other.
-@functools.partial(jax.jit, static_argnames=("args", "xla"))
-def _write_kv(arrays: dict, *, args, xla: bool) -> dict:
+@functools.partial(jax.jit, static_argnames=("op", "args", "xla"))
+def _one_kernel(arrays: dict, *, op: str, args, xla: bool) -> dict:
+    """The launch of an op of one kernel, as the op table plans it (``op``: its family)."""
     from fp8kv import ops  # imports Triton: only on this path
 
     if xla:
         args, arrays = _xla_triton.device_scalars(args, arrays)
-    plan = plan_write(args, CUDA)
-    return _launch(getattr(ops, plan.kernel), plan, write_operands(args), arrays,
-                   xla=xla)
-
-
-@functools.partial(jax.jit, static_argnames=("args", "xla"))
-def _dequantize_pages(arrays: dict, *, args, xla: bool) -> dict:
-    from fp8kv import ops  # imports Triton: only on this path
-
-    if xla:
-        args, arrays = _xla_triton.device_scalars(args, arrays)
-    out = ArrayInfo.contiguous(dequantized_shape(args, args.combined), args.out_dtype, DEVICE)
-    plan = plan_dequantize(args, out, None if args.combined else out, CUDA)
-    return _launch(getattr(ops, plan.kernel), plan, dequantize_operands(args), arrays,
-                   _new("dequantize_pages", args), xla=xla)
-
-
-@functools.partial(jax.jit, static_argnames=("args",))
-def rope_write_kv(arrays: dict, *, args) -> dict:
-    """As :func:`fp8kv_jax._jnp.rope_write_kv`: a given ``query_out`` is aliased (written in
-    place when donated), a missing one and ``key_out`` are new outputs."""
-    from fp8kv import ops  # imports Triton: only on this path
-
-    return _launch(ops._rope_write_kv_kernel, plan_rope_write(args, CUDA),
-                   rope_write_operands(args), arrays, _new("rope_write_kv", args))
+    entry, new = OPS[op], _new(op, args)
+    outs = {name: ArrayInfo.contiguous(x.shape, x.dtype.name, DEVICE) for name, x in new.items()}
+    plan = entry.plan(args, outs, CUDA)
+    return _launch(getattr(ops, plan.kernel), plan, entry.operands(args), arrays, new, xla=xla)
 
 
 def _new(op: str, args) -> dict:

@@ -2,12 +2,11 @@
 
 * :class:`LastCall`: a repeat of an op's last signature is recognised by one of torch's tensor
   guards (``torch._C._dynamo.guards.TensorGuards``: dtype, device, sizes, strides and more of every
-  tensor, checked in C) instead of a metadata key built in Python (~6 us for 7 tensors on an H200
-  host), and its tensors' pointers go straight into the kernel's arguments.
+  tensor, checked in C) instead of a metadata key built in Python, and its tensors' pointers go straight into the kernel's arguments.
 * :func:`direct_launcher`: Triton's compiled launcher called as Triton's own runner
   (``CompiledKernel[grid]``) calls it, without the runner's per-call Python (current stream,
-  launch metadata and empty hook chains: ~3-4 us); on Triton 3.6, whose launcher source is pinned
-  here, its C launch function itself (~1.3 us more).
+  launch metadata and empty hook chains); on Triton 3.6, whose launcher source is pinned here, its
+  C launch function itself.
 
 Each is used only where a check made here passes -- a self-test of the guards on this torch, the
 source of this Triton's runner making exactly the call made here, the launcher's source being the

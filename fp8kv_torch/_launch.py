@@ -26,12 +26,14 @@ import torch
 
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
-from fp8kv.binding import BoundCall, bind
+from fp8kv.binding import bind, BoundCall
+from fp8kv.dequantize import plan_dequantize
 from fp8kv.operands import OperandMap
 from fp8kv.optable import OPS, TORCH, Role
-from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
-from fp8kv.plan_rope import plan_rope_write
+from fp8kv.plan import CUDA, INTERPRET, LaunchPlan
+from fp8kv.rope_write import plan_rope_write
 from fp8kv.validate import check_out, frontend_args
+from fp8kv.write import plan_write
 
 from . import _fast
 from ._fast import getter
@@ -140,9 +142,10 @@ class _ReadyLaunch:
     On CUDA ``runner`` is the launcher of the compiled kernel
     (:func:`fp8kv_torch._fast.direct_launcher`, or ``CompiledKernel[grid]``, the public entry
     point Triton returns from a launch), which skips ``kernel[grid](...)``'s per-call argument
-    binding and specialization (~10 us), and takes pointers as ints; under the interpreter, the
-    interpreted kernel, which takes the tensors. ``positions``: which of the call's values
-    (its arguments, then an allocating call's new outputs) each kernel array takes.
+    binding and specialization (the bulk of its host time, ``bench/NOTES.md``), and takes
+    pointers as ints; under the interpreter, the interpreted kernel, which takes the tensors.
+    ``positions``: which of the call's values (its arguments, then an allocating call's new
+    outputs) each kernel array takes.
     """
 
     __slots__ = ("runner", "pointers", "positions", "gather", "scalars", "consts", "select",
@@ -195,9 +198,8 @@ _PREVIOUS_KEY: dict = {}  # op -> the key of its last call served from _READY
 
 def clear_launch_caches() -> None:
     """Forget cached plans and launches (after changing ``fp8kv.plan``'s size tables)."""
-    plan_write.cache_clear()
-    plan_dequantize.cache_clear()
-    plan_rope_write.cache_clear()
+    for planner in (plan_write, plan_dequantize, plan_rope_write):
+        planner.cache_clear()
     _READY.clear()
     _LAST.clear()
     _PREVIOUS_KEY.clear()
@@ -343,33 +345,13 @@ def run(op: str, named: dict):
     if not launch:   # the custom op's fake: validation (and the outputs) only
         return spec.result(outs)
     values = args + (outs or ())
-    kernel, plan = _PLANS[entry.family](valid, out_info, backend, exact, values)
-    if not plan.empty:
-        _launch(kernel, plan, backend, first.device, entry.operands(valid), spec.names, values,
-                ready_key, new_outputs)
-    return spec.result(outs)
-
-
-def _plan_write(valid, outs, backend, exact, values):
-    plan = plan_write(valid, backend, exact)
-    return getattr(ops, plan.kernel), plan
-
-
-def _plan_dequantize(valid, outs, backend, exact, values):
-    # The ready key holds each tensor's 16-byte alignment, so this plan serves aligned calls only.
+    # The ready key holds each tensor's 16-byte alignment, so the plan serves such calls only.
     aligned = not _fast.misaligned([v for v in values if isinstance(v, torch.Tensor)])
-    plan = plan_dequantize(valid, outs.get("kv_out") or outs["key_out"], outs.get("value_out"),
-                           backend, exact, aligned=aligned)
-    return getattr(ops, plan.kernel), plan
-
-
-def _plan_rope_write(valid, outs, backend, exact, values):
-    return ops._rope_write_kv_kernel, plan_rope_write(valid, backend, exact)
-
-
-# Each op family's kernel and plan: ``(validated, {output: ArrayInfo}, backend, exact, values)``.
-_PLANS = {"write_kv": _plan_write, "dequantize_pages": _plan_dequantize,
-          "rope_write_kv": _plan_rope_write}
+    plan = entry.plan(valid, out_info, backend, exact, aligned)
+    if not plan.empty:
+        _launch(getattr(ops, plan.kernel), plan, backend, first.device, entry.operands(valid),
+                spec.names, values, ready_key, new_outputs)
+    return spec.result(outs)
 
 
 def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
@@ -396,7 +378,7 @@ def _empty_maker(shape: tuple, dtype: torch.dtype, device: torch.device, templat
     """``() -> a new contiguous tensor`` of ``shape``, ``dtype`` on ``device``.
 
     ``torch.empty_like`` of a template parses one argument where ``torch.empty(shape, dtype=,
-    device=)`` parses three: ~1.3 us less per tensor on an H200 host (``bench/NOTES.md``). The
+    device=)`` parses three, which saves host time per tensor (``bench/NOTES.md``). The
     template is one element expanded to ``shape`` (no memory of its own); it is used only where
     the tensor it makes has the very shape, strides, dtype and device that ``torch.empty`` gives
     (checked here, once per signature). ``template=False``: plain ``torch.empty``.

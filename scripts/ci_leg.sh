@@ -71,7 +71,15 @@ fi
 _ci_pip=(python -m pip install -q)
 [ "${CI_LEG_NO_COMPILE:-}" = 1 ] && _ci_pip+=(--no-compile)
 "${_ci_pip[@]}" --upgrade pip
-"${_ci_pip[@]}" "${PINS[@]}"
+# The pinned wheels are the big downloads (triton, jaxlib, torch 2.14's CUDA wheels): an
+# interrupted or corrupt one (a hash mismatch after resumed downloads) gets two more tries, each
+# downloading afresh; a full disk or an unknown version fails all three the same way.
+for _ci_try in 1 2 3; do
+    "${_ci_pip[@]}" "${PINS[@]}" && break
+    [ "$_ci_try" -lt 3 ] || false
+    echo "ci_leg.sh: installing ${PINS[*]} failed (try $_ci_try of 3); trying again" >&2
+    _ci_pip+=(--no-cache-dir)
+done
 if [ -n "${CI_LEG_LOCK:-}" ]; then
     # The lock is released when this process ends, however it ends.
     python -c 'import fcntl, subprocess, sys
@@ -144,4 +152,4 @@ case "$LEG" in
 esac
 eval "$_ci_leg_opts"
 unset -f _ci_leave_out
-unset _ci_leg_opts _ci_pip _ci_f
+unset _ci_leg_opts _ci_pip _ci_f _ci_try

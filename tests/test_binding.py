@@ -11,11 +11,12 @@ import triton.language as tl
 from tests.cases import DEQUANT_CASES, WRITE_CASES
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
-from fp8kv.binding import BoundCall, bind, check_names, signature
-from fp8kv.operands import dequantize_operands, write_operands
+from fp8kv.binding import bind, BoundCall, check_names, signature
+from fp8kv.dequantize import (check_dequantize, dequantize_operands, dequantized_shape,
+                              plan_dequantize)
 from fp8kv.ops._dual import jit
-from fp8kv.plan import CUDA, INTERPRET, LaunchPlan, plan_dequantize, plan_write
-from fp8kv.validate import check_dequantize, check_write, dequantized_shape
+from fp8kv.plan import CUDA, INTERPRET, LaunchPlan
+from fp8kv.write import check_write, plan_write, write_operands
 
 WRITE_ARRAYS = ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr", "slot_ptr",
                 "key_scale_ptr", "value_scale_ptr", "layer_ptr", "key_cache_out_ptr",

@@ -65,21 +65,22 @@ def test_write_matches_reference(case, device):
 @pytest.fixture
 def blockwise(monkeypatch):
     """Plan every nvfp4 write as a small batch in the ``BLOCKWISE`` layout (blocks over two
-    threads; ``fp8kv.plan.NVFP4_WRITE_SIZES``); yields the BLOCKWISE constexpr of each plan made."""
-    from fp8kv import plan
+    threads; ``fp8kv.write.NVFP4_WRITE_SIZES``); yields the BLOCKWISE constexpr of each plan
+    made."""
+    from fp8kv import plan, write
 
     for backend in (plan.CUDA, plan.INTERPRET):
-        monkeypatch.setitem(plan.NVFP4_WRITE_SIZES[backend], "small_batch_elems", 1 << 62)
-        monkeypatch.setitem(plan.NVFP4_WRITE_SIZES[backend], "small_blockwise", True)
+        monkeypatch.setitem(write.NVFP4_WRITE_SIZES[backend], "small_batch_elems", 1 << 62)
+        monkeypatch.setitem(write.NVFP4_WRITE_SIZES[backend], "small_blockwise", True)
     made = []
-    planner = plan._plan_write_nvfp4
+    planner = write._plan_write_nvfp4
 
     def recording(*args, **kwargs):
         launch = planner(*args, **kwargs)
         made.append(launch.constexprs["TILE"].BLOCKWISE)
         return launch
 
-    monkeypatch.setattr(plan, "_plan_write_nvfp4", recording)
+    monkeypatch.setattr(write, "_plan_write_nvfp4", recording)
     _launch.clear_launch_caches()
     yield made
     monkeypatch.undo()
@@ -455,9 +456,9 @@ def _all_patterns(dtype: str, arrangement: str) -> np.ndarray:
 @pytest.fixture(params=["groups", "blocks"])
 def write_layout(request, monkeypatch):
     """The small-batch write layout: whole groups per thread, or ``BLOCKWISE``."""
-    from fp8kv import plan
+    from fp8kv import plan, write
 
-    monkeypatch.setitem(plan.NVFP4_WRITE_SIZES[plan.CUDA], "small_blockwise",
+    monkeypatch.setitem(write.NVFP4_WRITE_SIZES[plan.CUDA], "small_blockwise",
                         request.param == "blocks")
     _launch.clear_launch_caches()
     yield request.param
@@ -514,9 +515,9 @@ def test_gpu_fp32_near_every_boundary(g, write_layout):
                                            ("float8_e4m3fn", "tensor")])
 @pytest.mark.parametrize("division", [Division.FMA, Division.FP64], ids=["fma", "fp64"])
 def test_gpu_dequantize_fast_equals_exact(out, out_scale, division, monkeypatch):
-    from fp8kv import plan
+    from fp8kv import dequantize, plan
 
-    monkeypatch.setitem(plan.NVFP4_DEQUANT_SIZES[plan.CUDA], "reciprocal_div", division)
+    monkeypatch.setitem(dequantize.NVFP4_DEQUANT_SIZES[plan.CUDA], "reciprocal_div", division)
     _launch.clear_launch_caches()
     case = NvCase(tokens=64, heads=8, head_dim=128, page_size=16, scale="head")
     x = inputs(case)

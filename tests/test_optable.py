@@ -193,7 +193,7 @@ def _paged_attention() -> Op:
             write.arg("layer"),
             Arg("out", Role.OUTPUT, "attention output", optional=True, made=True, dims="t H d"))
     return Op("paged_attention", args, check=None, bounds=None, made=None, empty=None,
-              operands=None, returns=("out",), splits=("h",), reads=("block_table",))
+              operands=None, plan=None, returns=("out",), splits=("h",), reads=("block_table",))
 
 
 def test_an_op_with_read_only_caches_and_a_new_output_fits_in_one_entry():
@@ -220,7 +220,7 @@ def test_its_query_and_output_split_with_the_kv_heads(monkeypatch):
     import numpy as np
     from jax.sharding import Mesh
 
-    from fp8kv.validate import check_dequantize
+    from fp8kv.dequantize import check_dequantize
     from fp8kv_jax import _shard
 
     assert FOLLOWS == {"H": "h"}

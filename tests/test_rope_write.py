@@ -20,8 +20,7 @@ from fp8kv import reference as ref  # noqa: E402
 from fp8kv.modes import Division  # noqa: E402
 from fp8kv.optable import OPS  # noqa: E402
 from fp8kv.plan import CUDA  # noqa: E402
-from fp8kv.plan_rope import plan_rope_write  # noqa: E402
-from fp8kv.validate_rope import check_rope_write  # noqa: E402
+from fp8kv.rope_write import check_rope_write, plan_rope_write  # noqa: E402
 from fp8kv_torch import _launch, rope_write_kv, rope_write_kv_combined  # noqa: E402
 
 
@@ -582,7 +581,7 @@ def test_plan_variants_give_the_same_bytes(case, entries, device, monkeypatch):
     large-batch and tiny-batch tiers, the fp64 division -- the same bytes (interpreter and
     GPU)."""
     from fp8kv.plan import CUDA, INTERPRET
-    from fp8kv.plan_rope import ROPE_SIZES
+    from fp8kv.rope_write import ROPE_SIZES
 
     for name, value in entries.items():
         monkeypatch.setitem(ROPE_SIZES[CUDA if device == "cuda" else INTERPRET], name, value)

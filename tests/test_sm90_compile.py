@@ -18,12 +18,12 @@ from tests.cases import DEQUANT_CASES, WRITE_CASES, scale_values
 from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import bind
-from fp8kv.operands import dequantize_operands, rope_write_operands, write_operands
+from fp8kv.dequantize import (check_dequantize, dequantize_operands, dequantized_shape,
+                              plan_dequantize)
 from fp8kv.modes import Division, ScaleKind
-from fp8kv.plan import CUDA, plan_dequantize, plan_write
-from fp8kv.plan_rope import plan_rope_write
-from fp8kv.validate import check_dequantize, check_write, dequantized_shape
-from fp8kv.validate_rope import check_rope_write
+from fp8kv.plan import CUDA
+from fp8kv.rope_write import check_rope_write, plan_rope_write, rope_write_operands
+from fp8kv.write import check_write, plan_write, write_operands
 
 POINTER_TYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32",
                  "float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5", "uint8": "*u8",
@@ -148,7 +148,7 @@ def test_write_kernel_compiles_for_sm90(case, exact):
 def test_split_rows_compile_for_sm90(tokens, warps, division, monkeypatch):
     """A small batch whose rows are split over programs (grid axis 1) compiles for sm_90, with
     each division and each thread's elements of a chunk in one load."""
-    from fp8kv.plan import WRITE_SIZES
+    from fp8kv.write import WRITE_SIZES
 
     for name, value in dict(split_batch_tokens=16, split_chunk=128, split_warps=warps,
                             split_division=division).items():
@@ -412,7 +412,7 @@ def test_rope_default_shape_gets_16_byte_accesses(style, tokens, int_divisibilit
 ], ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
 def test_rope_small_batch_plan_variants_compile_for_sm90(entries, monkeypatch):
     """The small-batch size-table entries the bench tries (bench/rope.py) compile for sm_90."""
-    from fp8kv.plan_rope import ROPE_SIZES
+    from fp8kv.rope_write import ROPE_SIZES
 
     for name, value in entries.items():
         monkeypatch.setitem(ROPE_SIZES[CUDA], name, value)
@@ -490,7 +490,7 @@ NVFP4_LAYOUTS = [
 @pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
 @pytest.mark.parametrize("variant,combined,blockwise", NVFP4_LAYOUTS)
 def test_nvfp4_write_kernel_compiles_for_sm90(variant, exact, combined, blockwise, monkeypatch):
-    from fp8kv.plan import NVFP4_WRITE_SIZES
+    from fp8kv.write import NVFP4_WRITE_SIZES
 
     monkeypatch.setitem(NVFP4_WRITE_SIZES[CUDA], "small_blockwise", blockwise)
     plan_write.cache_clear()

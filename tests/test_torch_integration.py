@@ -249,9 +249,9 @@ def test_gpu_cache_beyond_2_31_elements(layout):
 def reciprocal_division(request):
     """Plan writes with one of the reciprocal divisions (fp8kv.ops.codec.divide_by_scalar,
     divide_fp64) for one test."""
-    from fp8kv import plan
+    from fp8kv import write
     from fp8kv_torch._launch import clear_launch_caches
-    sizes = plan.WRITE_SIZES["cuda"]
+    sizes = write.WRITE_SIZES["cuda"]
     saved = dict(sizes)
     # every batch counts as small, and its rows stay whole (one program per 1,024 columns)
     sizes.update(reciprocal_div=request.param, small_batch_elems=1 << 62, split_batch_tokens=0)

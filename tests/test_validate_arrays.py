@@ -12,8 +12,9 @@ import re
 import pytest
 
 from fp8kv.arrays import ArrayInfo
-from fp8kv.validate import check_dequantize, check_write
-from fp8kv.validate_rope import check_rope_write
+from fp8kv.dequantize import check_dequantize
+from fp8kv.rope_write import check_rope_write
+from fp8kv.write import check_write
 
 DEV = "cuda:0"
 T, H, D, PAGES, PAGE = 3, 2, 32, 4, 16

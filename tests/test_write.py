@@ -14,8 +14,8 @@ from tests.helpers import bits, requires_cuda, to_torch, torch
 from fp8kv import reference as ref
 from fp8kv.formats import FORMATS
 from fp8kv.modes import Division
-from fp8kv.plan import CUDA, plan_write
-from fp8kv.validate import check_write
+from fp8kv.plan import CUDA
+from fp8kv.write import check_write, plan_write
 from fp8kv_torch import _launch, write_kv, write_kv_combined
 
 
@@ -47,9 +47,10 @@ def test_write_matches_reference(case, device):
 @pytest.fixture
 def split_rows(monkeypatch):
     """Plan every static-scale write as a small batch whose rows are split over programs
-    (``fp8kv.plan.WRITE_SIZES``: chunks of 128 columns); yields a function that sets the
+    (``fp8kv.write.WRITE_SIZES``: chunks of 128 columns); yields a function that sets the
     division of such programs."""
-    from fp8kv.plan import INTERPRET, WRITE_SIZES
+    from fp8kv.plan import INTERPRET
+    from fp8kv.write import WRITE_SIZES
 
     def use(division):
         for backend in (CUDA, INTERPRET):

@@ -22,9 +22,10 @@ import jax.numpy as jnp  # noqa: E402
 import fp8kv_jax  # noqa: E402
 from fp8kv import ops, reference  # noqa: E402
 from fp8kv.arrays import ArrayInfo  # noqa: E402
-from fp8kv.operands import dequantize_operands, write_operands  # noqa: E402
-from fp8kv.plan import CUDA, plan_dequantize, plan_write  # noqa: E402
-from fp8kv.validate import check_dequantize, check_write, dequantized_shape  # noqa: E402
+from fp8kv.dequantize import (  # noqa: E402
+    check_dequantize, dequantize_operands, dequantized_shape, plan_dequantize)
+from fp8kv.plan import CUDA  # noqa: E402
+from fp8kv.write import check_write, plan_write, write_operands  # noqa: E402
 from fp8kv_jax import _xla_triton  # noqa: E402
 from tests.cases import (DEQUANT_CASES, WRITE_CASES, as_uint, dequant_inputs,  # noqa: E402
                          scale_values, write_inputs)

@@ -14,8 +14,8 @@ rounds.
 Padding entries (< 0, == null_page, or past the cache) give zeros, so every output element is
 written; the chunk-0 program of entry ``i`` also writes ``new_block_table.flat[i] = i``.
 docs/SPEC.md 12.2 is the rule,
-:func:`fp8kv.reference.dequantize_nvfp4` its NumPy twin; :func:`fp8kv.plan.plan_dequantize` names
-every argument and :func:`fp8kv.operands.dequantize_operands` says which array each pointer takes.
+:func:`fp8kv.reference.dequantize_nvfp4` its NumPy twin; :func:`fp8kv.dequantize.plan_dequantize` names
+every argument and :func:`fp8kv.dequantize.dequantize_operands` says which array each pointer takes.
 
 A kernel of its own (not a branch of ``_dequantize_pages_kernel``) for the reasons given in
 :mod:`fp8kv.ops.write_nvfp4`, and for its FP8 output and its scale. Parameters follow
@@ -56,7 +56,7 @@ def _lookup_side(page, scale, out_div, rows, valid, SIDE: tl.constexpr,
     Words, not bytes, so that every step is elementwise whatever layout the compiler gives a
     tensor (a byte tensor's registers pack 4 bytes in an order that is the layout's); the plan
     takes this path where the caches and outputs allow 4-byte words
-    (:func:`fp8kv.plan.plan_dequantize`)."""
+    (:func:`fp8kv.dequantize.plan_dequantize`)."""
     codes_ptr, blocks_ptr, out_ptr = page
     out_scale, out_reciprocal = out_div
     slot, head, r_mask = rows

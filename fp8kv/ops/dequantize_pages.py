@@ -5,8 +5,8 @@ that neighbouring programs stream neighbouring bytes. Program ``i * CHUNKS + c``
 of page ``block_table.flat[i]`` from the K and V caches and writes it to output page ``i``; entries
 that are padding (< 0, == null_page, or past the cache) get zeros, so every output element is
 written. The chunk-0 program of entry ``i`` also writes ``new_block_table.flat[i] = i``. The numpy
-twin is :func:`fp8kv.reference.dequantize_pages`; :func:`fp8kv.plan.plan_dequantize` names every
-argument and :func:`fp8kv.operands.dequantize_operands` says which array each pointer takes.
+twin is :func:`fp8kv.reference.dequantize_pages`; :func:`fp8kv.dequantize.plan_dequantize` names every
+argument and :func:`fp8kv.dequantize.dequantize_operands` says which array each pointer takes.
 
 Parameters follow jax-triton's order (input arrays, scalars, outputs, constexprs), bound by name
 as in ``write_kv``; the layout is in the records ``CACHE``, ``OUT`` (the output pages) and

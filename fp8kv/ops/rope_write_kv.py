@@ -6,8 +6,8 @@ token's position, slot and cos/sin row once for all of them, rotates its query a
 writes the query (16-bit, fp32 or FP8 codes) and, optionally, the rotated key, and quantizes the
 rotated key and the value into the cache as ``_write_kv_kernel`` does (its helpers are called
 here). The numpy twin is :func:`fp8kv.reference.rope_write_kv`;
-:func:`fp8kv.plan_rope.plan_rope_write` names every argument and
-:func:`fp8kv.operands.rope_write_operands` says which array each pointer takes.
+:func:`fp8kv.rope_write.plan_rope_write` names every argument and
+:func:`fp8kv.rope_write.rope_write_operands` says which array each pointer takes.
 
 A head row is read once, as the tiles its rotation needs, so that a pair's two elements sit in
 the same thread:

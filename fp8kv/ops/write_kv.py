@@ -6,8 +6,8 @@ Grid: ``(cdiv(num_tokens, BLOCK_T), cdiv(NUM_HEADS * HEAD_DIM, ROW_CHUNK))``. A 
 few tokens) in ``BLOCK_HD`` columns at a time, K and V together so that both loads are in flight
 before the stores. Slots below zero (padding) or past the cache are skipped. Offsets
 are int32, or int64 (``TILE.OFFSETS_64``) where the plan finds an array reaching past 2**31
-elements (:func:`fp8kv.plan.offsets_64`). The numpy twin is :func:`fp8kv.reference.write_kv`;
-:func:`fp8kv.plan.plan_write` names every argument and :func:`fp8kv.operands.write_operands` says
+elements (:func:`fp8kv.write.offsets_64`). The numpy twin is :func:`fp8kv.reference.write_kv`;
+:func:`fp8kv.write.plan_write` names every argument and :func:`fp8kv.write.write_operands` says
 which array each pointer takes.
 
 Parameters follow jax-triton's order -- input arrays, scalars, outputs, constexprs -- and are bound

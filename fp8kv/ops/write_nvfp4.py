@@ -10,7 +10,7 @@ codes (:func:`codec.divide_by_block_scale`, :func:`codec.encode_e2m1`), packs co
 bytes in registers (element ``2i`` in the low nibble) and stores 16 bytes of codes per group and
 the group's two block scales. Slots below zero (padding) or past the cache write nothing.
 docs/SPEC.md section 13 is the rule, :func:`fp8kv.reference.quantize_nvfp4` its NumPy twin;
-:func:`fp8kv.plan.plan_write` names every argument and :func:`fp8kv.operands.write_operands` says
+:func:`fp8kv.write.plan_write` names every argument and :func:`fp8kv.write.write_operands` says
 which array each pointer takes.
 
 Why a kernel of its own rather than branches of ``_write_kv_kernel``: a side has a global scale
