@@ -11,7 +11,7 @@ import functools
 import math
 from dataclasses import dataclass
 from numbers import Real
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import triton
@@ -23,7 +23,9 @@ from .formats import Format
 from .layout import LAYOUTS, Layers, PagedCache
 from .modes import OUT_KIND_OF_DTYPE, LayerKind, ScaleKind, SideScale
 from .operands import Operand, OperandMap
-from .plan import CUDA, INTERPRET, cache_record, LaunchPlan, strides
+from .optable import (CACHE_FORMAT, CHECK_BOUNDS, LAYER, LAYOUT, TORCH, Arg, Op, Role, caches,
+                      from_shapes, option, scales, sides)
+from .plan import CUDA, INTERPRET, LaunchPlan, cache_record, strides
 
 QUERY_DTYPES = ("bfloat16", "float16")
 PLAIN_DTYPES = QUERY_DTYPES            # unquantized caches: read as stored
@@ -614,3 +616,33 @@ def error_bound(ref_out, vmax, mass, head_dim: int) -> np.ndarray:
     """The spec's bound on ``|out - ref_out|`` (docs/SPEC.md section 16.3)."""
     delta = head_dim * 2.0 ** -24 * mass
     return 2.0 ** -8 * (np.abs(ref_out) + vmax) + np.expm1(2 * delta) * vmax
+
+
+# ---------------------------------------------------------------------------------------------
+# The op table's entry (fp8kv.optable).
+
+OP = Op(
+    "paged_attention",
+    (Arg("query", Role.INPUT, "queries [num_tokens, num_heads, head_dim]", dims="t H d"),
+     *caches(updated=False),
+     Arg("block_table", Role.INPUT, "each sequence's pages", dims="b q"),
+     Arg("seq_lens", Role.INPUT, "each sequence's tokens in the cache", dims="b"),
+     *scales("key", "value"),
+     Arg("query_start_loc", Role.INPUT, "each sequence's first query row", optional=True,
+         dims="B"),
+     option("softmax_scale", "the scores' scale (default 1 / sqrt(head_dim))",
+            Optional[float]),
+     option("sliding_window", "the tokens a query sees", Optional[int]),
+     option("logits_soft_cap", "cap * tanh(score / cap)", Optional[float]),
+     Arg("sinks", Role.INPUT, "one sink logit per query head", optional=True, dims="H"),
+     *sides(updated=False), CACHE_FORMAT, LAYOUT,
+     option("head_dim", "the data columns of an inline cache", Optional[int]), LAYER,
+     option("max_query_len", "the longest query (sizes the launch)", Optional[int]),
+     CHECK_BOUNDS,
+     Arg("out", Role.OUTPUT, "the attention output", optional=True, made=True, dims="t H d",
+         frontends=(TORCH,), result="out", contiguous=True)),
+    check_attention, attention_bounds, lambda args: {"out": (args.out_shape, args.out_dtype)},
+    lambda args: args.num_tokens == 0, attention_operands,
+    from_shapes(plan_attention), returns=("out",), splits=("h",),
+    reads=("seq_lens", "query_start_loc", "layer"), workspace=("partial_out", "partial_stats"),
+    xla_triton=lambda args: True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy as np
 import triton
@@ -19,10 +20,12 @@ from .layout import LAYOUTS, Layers, PagedCache, combined_halves, paged, pages_s
 from .modes import OUT_KIND_OF_DTYPE, Division, SideScale
 from .operands import (Operand, OperandMap, block_operands, caches_of, layer_input, scale_input,
                        static_input)
-from .plan import CUDA, INTERPRET, cache_record, exact_for, kv_scalars, LaunchPlan, strides
+from .optable import (CACHE_FORMAT, CHECK_BOUNDS, FP8_FORMAT, LAYER, LAYOUT, TORCH, Arg, Op, Role,
+                      caches, option, scales, sides)
+from .plan import CUDA, INTERPRET, LaunchPlan, cache_record, exact_for, kv_scalars, strides
 from .validate import (INLINE, block_side_scales, check_block_head_dim, check_caches, check_choice,
-                       check_dtype, check_inline, check_stack_bounds, check_layers_supported,
-                       check_out_scale, check_same_device, check_scale_cache_arg, named_caches,
+                       check_dtype, check_inline, check_layers_supported, check_out_scale,
+                       check_same_device, check_scale_cache_arg, check_stack_bounds, named_caches,
                        side_scales, unstack)
 
 
@@ -288,3 +291,32 @@ def dequantize_nvfp4_operands(args) -> OperandMap:
     else:
         pages = (Operand("key_out_ptr", "key_out"), Operand("value_out_ptr", "value_out"))
     return OperandMap(inputs, pages + (Operand("new_table_ptr", "table_out"),))
+
+
+# ---------------------------------------------------------------------------------------------
+# The op table's entry (fp8kv.optable).
+
+_PAGES = tuple(Arg(f"{side}_out", Role.OUTPUT, f"the {side.upper()} pages read", made=True,
+                   dims="pages", frontends=(), result=f"{side}_pages", combined="kv_out")
+               for side in ("key", "value"))
+_TABLE_OUT = Arg("table_out", Role.OUTPUT, "the renumbered block table", made=True, dims="b q",
+                 frontends=(), result="new_block_table", contiguous=True)
+
+OP = Op(
+    "dequantize_pages",
+    (*caches(updated=False),
+     Arg("block_table", Role.INPUT, "each sequence's pages (< 0: padding)", dims="b q"),
+     *scales("key", "value"),
+     option("dtype", "the pages' dtype", schema=None),   # the torch op's: its outputs' dtype
+     LAYOUT, FP8_FORMAT, option("null_page", "a page id that is padding too", Optional[int]),
+     Arg("out", Role.OUTPUT, "preallocated outputs", optional=True, frontends=(TORCH,),
+         parts=("key_out", "value_out", "table_out")),
+     *sides(updated=False), option("head_dim", "the pages' head_dim", Optional[int]),
+     CHECK_BOUNDS, CACHE_FORMAT,
+     Arg("out_scale", Role.SCALE, "the FP8 pages' scale", optional=True, dims="any"), LAYER,
+     *_PAGES, _TABLE_OUT),
+    check_dequantize, dequantize_bounds, dequantize_made,
+    lambda args: args.batch * args.pages_per_seq == 0, dequantize_operands,
+    plan_call, returns=("key_out", "value_out", "table_out"), splits=("h",),
+    reads=("block_table", "layer"),
+    xla_triton=lambda args: not args.fmt.packed)

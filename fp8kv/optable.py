@@ -8,8 +8,9 @@ shape its new outputs and map its kernel's arrays. The frontends derive from it 
 otherwise spell out per op: the order in which torch keys and launches a call, which arguments
 validation takes as arrays, the ``torch.library`` schemas, what JAX returns and how each array is
 sharded under ``jax.jit`` (docs/SPEC.md section 15). The public functions keep their own
-signatures and NumPy docstrings; the tests hold both to this table. docs/ADDING_AN_OP.md says
-what a new op touches.
+signatures and NumPy docstrings; the tests hold both to this table. Each entry is the ``OP`` of
+the op's own module (``fp8kv/write.py``, ...), beside its checks and plan; :data:`OPS` collects
+them. docs/ADDING_AN_OP.md says what a new op touches.
 
 A combined op (``*_combined``) is its op with ``key_cache`` / ``value_cache`` replaced by one
 ``kv_cache`` (and a dequantize's ``key_out`` / ``value_out`` by ``kv_out``): :func:`combined`.
@@ -17,14 +18,10 @@ A combined op (``*_combined``) is its op with ``key_cache`` / ``value_cache`` re
 from __future__ import annotations
 
 import enum
+import importlib
+import pkgutil
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
-
-from . import attention, dequantize, rope_write, write
-from .attention import attention_bounds, attention_operands, check_attention
-from .dequantize import check_dequantize, dequantize_bounds, dequantize_made, dequantize_operands
-from .rope_write import check_rope_write, rope_bounds, rope_made, rope_write_operands
-from .write import check_write, write_bounds, write_operands
 
 TORCH, JAX = "torch", "jax"
 
@@ -109,6 +106,9 @@ class Op:
     # Scratch arrays its kernels hand each other within a call (made by the frontend per call,
     # never returned): paged attention's split partials.
     workspace: tuple[str, ...] = ()
+    # Whether JAX may hand its kernel to XLA's own Triton call (fp8kv_jax._xla_triton) for a
+    # validated call; else jax-triton launches it.
+    xla_triton: Callable = lambda args: False
 
     lists: dict = field(init=False, repr=False, compare=False)   # derived once, below
 
@@ -158,24 +158,24 @@ class Op:
 # ---------------------------------------------------------------------------------------------
 # Arguments several ops share.
 
-def _caches(updated: bool) -> tuple[Arg, Arg]:
+def caches(updated: bool) -> tuple[Arg, Arg]:
     return tuple(Arg(f"{side}_cache", Role.CACHE, f"the paged {side.upper()} cache", layered=True,
                      updated=updated, dims="cache", combined="kv_cache")
                  for side in ("key", "value"))
 
 
-def _scales(*sides: str) -> tuple[Arg, ...]:
+def scales(*sides: str) -> tuple[Arg, ...]:
     return tuple(Arg(f"{side}_scale", Role.SCALE, f"the {side} dequant scale (static)",
                      optional=True, dims="scale") for side in sides)
 
 
-def _sides(updated: bool) -> tuple[Arg, Arg]:
+def sides(updated: bool) -> tuple[Arg, Arg]:
     return tuple(Arg(f"{side}_scale_cache", Role.SIDE, f"{side} scales stored per slot, or "
                      "'inline'", optional=True, layered=True, updated=updated, dims="side")
                  for side in ("key", "value"))
 
 
-def _option(name: str, doc: str, schema=None, **kw) -> Arg:
+def option(name: str, doc: str, schema=None, **kw) -> Arg:
     return Arg(name, Role.OPTION, doc, schema=schema, **kw)
 
 
@@ -183,100 +183,19 @@ KEY_VALUE = (Arg("key", Role.INPUT, "new keys [num_tokens, num_kv_heads, head_di
                  dims="t h d"),
              Arg("value", Role.INPUT, "new values, as key", dims="t h d"))
 SLOTS = Arg("slots", Role.INPUT, "each token's cache row (< 0: padding)", dims="t")
-LAYOUT = _option("layout", "NHD or HND", str)
-FP8_FORMAT = _option("fp8_format", "the format of a uint8 FP8 cache", Optional[str])
-CACHE_FORMAT = _option("cache_format", "the cache's format (or fp8_format)", Optional[str])
-SCALE_ROUNDING = _option("scale_rounding", "dynamic scales exact or up to a power of two", str)
-CHECK_BOUNDS = _option("check_bounds", "read indices on the host and raise past the cache",
-                       validated=False)
+LAYOUT = option("layout", "NHD or HND", str)
+FP8_FORMAT = option("fp8_format", "the format of a uint8 FP8 cache", Optional[str])
+CACHE_FORMAT = option("cache_format", "the cache's format (or fp8_format)", Optional[str])
+SCALE_ROUNDING = option("scale_rounding", "dynamic scales exact or up to a power of two", str)
+CHECK_BOUNDS = option("check_bounds", "read indices on the host and raise past the cache",
+                      validated=False)
 LAYER = Arg("layer", Role.LAYER, "the layer of stacked caches", optional=True, dims="any")
 
 
-def _from_shapes(plan: Callable) -> Callable:
+def from_shapes(plan: Callable) -> Callable:
     """The table's planner of a ``plan(args, backend, exact)`` that reads the validated call
     alone (not the outputs' arrays or their alignment)."""
     return lambda args, outs, backend, exact=None, aligned=True: plan(args, backend, exact)
-
-
-WRITE_KV = Op(
-    "write_kv",
-    (*KEY_VALUE, *_caches(updated=True), SLOTS, *_scales("key", "value"), LAYOUT, FP8_FORMAT,
-     *_sides(updated=True), SCALE_ROUNDING, CHECK_BOUNDS, CACHE_FORMAT, LAYER),
-    check_write, write_bounds, lambda args: {}, lambda args: args.num_tokens == 0,
-    write_operands, _from_shapes(write.plan_write),
-    returns=("key_cache", "value_cache", "key_scale_cache", "value_scale_cache"),
-    splits=("h", "p", "l"), reads=("slots", "layer"))
-
-_PAGES = tuple(Arg(f"{side}_out", Role.OUTPUT, f"the {side.upper()} pages read", made=True,
-                   dims="pages", frontends=(), result=f"{side}_pages", combined="kv_out")
-               for side in ("key", "value"))
-_TABLE_OUT = Arg("table_out", Role.OUTPUT, "the renumbered block table", made=True, dims="b q",
-                 frontends=(), result="new_block_table", contiguous=True)
-
-DEQUANTIZE_PAGES = Op(
-    "dequantize_pages",
-    (*_caches(updated=False),
-     Arg("block_table", Role.INPUT, "each sequence's pages (< 0: padding)", dims="b q"),
-     *_scales("key", "value"),
-     _option("dtype", "the pages' dtype", schema=None),   # the torch op's: its outputs' dtype
-     LAYOUT, FP8_FORMAT, _option("null_page", "a page id that is padding too", Optional[int]),
-     Arg("out", Role.OUTPUT, "preallocated outputs", optional=True, frontends=(TORCH,),
-         parts=("key_out", "value_out", "table_out")),
-     *_sides(updated=False), _option("head_dim", "the pages' head_dim", Optional[int]),
-     CHECK_BOUNDS, CACHE_FORMAT,
-     Arg("out_scale", Role.SCALE, "the FP8 pages' scale", optional=True, dims="any"), LAYER,
-     *_PAGES, _TABLE_OUT),
-    check_dequantize, dequantize_bounds, dequantize_made,
-    lambda args: args.batch * args.pages_per_seq == 0, dequantize_operands,
-    dequantize.plan_call, returns=("key_out", "value_out", "table_out"), splits=("h",),
-    reads=("block_table", "layer"))
-
-ROPE_WRITE_KV = Op(
-    "rope_write_kv",
-    (Arg("query", Role.INPUT, "queries [num_tokens, num_heads, head_dim]", dims="t H d"),
-     *KEY_VALUE, *_caches(updated=True), SLOTS,
-     Arg("positions", Role.INPUT, "each token's row of cos_sin_cache", dims="t"),
-     Arg("cos_sin_cache", Role.INPUT, "cos and sin per position", dims="m r"),
-     *_scales("key", "value"),
-     Arg("query_scale", Role.SCALE, "FP8 query codes' scale", optional=True, dims="any"),
-     _option("rope_style", "neox or gptj", str),
-     _option("rotary_dim", "the rotated columns", Optional[int]), LAYOUT, FP8_FORMAT,
-     Arg("query_out", Role.OUTPUT, "the rotated query", optional=True, made=True, dims="t H d"),
-     Arg("key_out", Role.OUTPUT, "the rotated key", optional=True, dims="t h d",
-         frontends=(TORCH,)),
-     _option("return_key", "also return the rotated key", frontends=(JAX,)),
-     *_sides(updated=True), SCALE_ROUNDING, CHECK_BOUNDS),
-    check_rope_write, rope_bounds, rope_made, lambda args: args.num_tokens == 0,
-    rope_write_operands, _from_shapes(rope_write.plan_rope_write),
-    returns=("query_out", "key_cache", "value_cache", "key_scale_cache", "value_scale_cache",
-             "key_out"),
-    splits=("h", "p"), reads=("positions", "slots"), paged="write")
-
-
-PAGED_ATTENTION = Op(
-    "paged_attention",
-    (Arg("query", Role.INPUT, "queries [num_tokens, num_heads, head_dim]", dims="t H d"),
-     *_caches(updated=False),
-     Arg("block_table", Role.INPUT, "each sequence's pages", dims="b q"),
-     Arg("seq_lens", Role.INPUT, "each sequence's tokens in the cache", dims="b"),
-     *_scales("key", "value"),
-     Arg("query_start_loc", Role.INPUT, "each sequence's first query row", optional=True,
-         dims="B"),
-     _option("softmax_scale", "the scores' scale (default 1 / sqrt(head_dim))",
-             Optional[float]),
-     _option("sliding_window", "the tokens a query sees", Optional[int]),
-     _option("logits_soft_cap", "cap * tanh(score / cap)", Optional[float]),
-     Arg("sinks", Role.INPUT, "one sink logit per query head", optional=True, dims="H"),
-     *_sides(updated=False), CACHE_FORMAT, LAYOUT,
-     _option("head_dim", "the data columns of an inline cache", Optional[int]), LAYER,
-     _option("max_query_len", "the longest query (sizes the launch)", Optional[int]),
-     CHECK_BOUNDS,
-     Arg("out", Role.OUTPUT, "the attention output", optional=True, made=True, dims="t H d",
-         frontends=(TORCH,), result="out", contiguous=True)),
-    check_attention, attention_bounds, lambda args: {"out": (args.out_shape, args.out_dtype)},
-    lambda args: args.num_tokens == 0, attention_operands,
-    _from_shapes(attention.plan_attention), returns=("out",), splits=("h",),
-    reads=("seq_lens", "query_start_loc", "layer"), workspace=("partial_out", "partial_stats"))
 
 
 def combined(op: Op) -> Op:
@@ -299,5 +218,16 @@ def combined(op: Op) -> Op:
                    returns=tuple(dict.fromkeys(op.arg(n).combined or n for n in op.returns)))
 
 
-OPS = {op.name: op for base in (WRITE_KV, DEQUANTIZE_PAGES, ROPE_WRITE_KV, PAGED_ATTENTION)
-       for op in (base, combined(base))}
+def __getattr__(name: str):
+    """``OPS``: every op and its combined form by name, from the modules of this package that
+    declare one (``OP = Op(...)``, beside the op's checks and plan): a new op is declared in its
+    own module, not here. Collected on first use, so that those modules can import this one."""
+    if name != "OPS":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    global OPS
+    package = importlib.import_module(__package__)
+    bases = [getattr(importlib.import_module(f"{__package__}.{m.name}"), "OP", None)
+             for m in pkgutil.iter_modules(package.__path__) if not m.ispkg]
+    OPS = {op.name: op for base in bases if isinstance(base, Op)
+           for op in (base, combined(base))}
+    return OPS

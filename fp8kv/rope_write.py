@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import triton
@@ -25,13 +26,14 @@ from .arrays import ArrayInfo, fmt_shape
 from .constexprs import Rope, RopeRows, RopeTile
 from .formats import E4M3, FORMAT_OF_DTYPE, FORMATS, FP8_FORMATS, INPUT_DTYPES, SLOT_DTYPES, Format
 from .modes import OUT_KIND_OF_DTYPE, Division, ScaleKind, SideScale
-from .operands import caches_of, Operand, OperandMap, scale_input
-from .plan import CUDA, INT32_REACH, INTERPRET, cache_record, exact_for, LaunchPlan, token_rows
+from .operands import Operand, OperandMap, caches_of, scale_input
+from .optable import (CHECK_BOUNDS, FP8_FORMAT, JAX, KEY_VALUE, LAYOUT, SCALE_ROUNDING, SLOTS,
+                      TORCH, Arg, Op, Role, caches, from_shapes, option, scales, sides)
+from .plan import CUDA, INT32_REACH, INTERPRET, LaunchPlan, cache_record, exact_for, token_rows
 from .validate import (check_choice, check_contiguous, check_dtype, check_nonnegative_strides,
                        check_out, check_same_device, check_scale, check_slots_in_range,
                        check_unit_last_stride)
 from .write import WRITE_PLACEHOLDER, WriteArgs, check_write, write_operands
-
 
 ROPE_STYLES = ("neox", "gptj")
 
@@ -387,3 +389,28 @@ def rope_write_operands(args) -> OperandMap:
               scale_input("value", w.value_scale, WRITE_PLACEHOLDER), q_in, k_in)
     write_outputs = write_operands(w).outputs
     return OperandMap(inputs, (q_out,) + write_outputs + (k_out,))
+
+
+# ---------------------------------------------------------------------------------------------
+# The op table's entry (fp8kv.optable).
+
+OP = Op(
+    "rope_write_kv",
+    (Arg("query", Role.INPUT, "queries [num_tokens, num_heads, head_dim]", dims="t H d"),
+     *KEY_VALUE, *caches(updated=True), SLOTS,
+     Arg("positions", Role.INPUT, "each token's row of cos_sin_cache", dims="t"),
+     Arg("cos_sin_cache", Role.INPUT, "cos and sin per position", dims="m r"),
+     *scales("key", "value"),
+     Arg("query_scale", Role.SCALE, "FP8 query codes' scale", optional=True, dims="any"),
+     option("rope_style", "neox or gptj", str),
+     option("rotary_dim", "the rotated columns", Optional[int]), LAYOUT, FP8_FORMAT,
+     Arg("query_out", Role.OUTPUT, "the rotated query", optional=True, made=True, dims="t H d"),
+     Arg("key_out", Role.OUTPUT, "the rotated key", optional=True, dims="t h d",
+         frontends=(TORCH,)),
+     option("return_key", "also return the rotated key", frontends=(JAX,)),
+     *sides(updated=True), SCALE_ROUNDING, CHECK_BOUNDS),
+    check_rope_write, rope_bounds, rope_made, lambda args: args.num_tokens == 0,
+    rope_write_operands, from_shapes(plan_rope_write),
+    returns=("query_out", "key_cache", "value_cache", "key_scale_cache", "value_scale_cache",
+             "key_out"),
+    splits=("h", "p"), reads=("positions", "slots"), paged="write")

@@ -17,12 +17,14 @@ from .layout import LAYOUTS, Layers, PagedCache
 from .modes import Division, ScaleKind, SideScale
 from .operands import (Operand, OperandMap, block_operands, caches_of, layer_input, scale_input,
                        static_input)
+from .optable import (CACHE_FORMAT, CHECK_BOUNDS, FP8_FORMAT, KEY_VALUE, LAYER, LAYOUT,
+                      SCALE_ROUNDING, SLOTS, Op, caches, from_shapes, scales, sides)
 from .plan import (CUDA, INT32_REACH, INTERPRET, LaunchPlan, cache_record, exact_for, kv_scalars,
                    token_rows)
 from .validate import (SCALE_ROUNDINGS, block_side_scales, check_block_head_dim, check_caches,
                        check_choice, check_contiguous, check_dtype, check_inline,
-                       check_layers_supported, check_same_device, check_slots_in_range,
-                       check_stack_bounds, check_scale_cache_arg, check_unit_last_stride,
+                       check_layers_supported, check_same_device, check_scale_cache_arg,
+                       check_slots_in_range, check_stack_bounds, check_unit_last_stride,
                        named_caches, side_scales, unstack)
 
 
@@ -316,3 +318,17 @@ def write_nvfp4_operands(args) -> OperandMap:
               Operand("value_cache_out_ptr", None, used=False) if args.combined else
               Operand("value_cache_out_ptr", vc, aliases="value_cache_ptr"))
     return OperandMap(inputs, caches + blocks_out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op table's entry (fp8kv.optable).
+
+OP = Op(
+    "write_kv",
+    (*KEY_VALUE, *caches(updated=True), SLOTS, *scales("key", "value"), LAYOUT, FP8_FORMAT,
+     *sides(updated=True), SCALE_ROUNDING, CHECK_BOUNDS, CACHE_FORMAT, LAYER),
+    check_write, write_bounds, lambda args: {}, lambda args: args.num_tokens == 0,
+    write_operands, from_shapes(plan_write),
+    returns=("key_cache", "value_cache", "key_scale_cache", "value_scale_cache"),
+    splits=("h", "p", "l"), reads=("slots", "layer"),
+    xla_triton=lambda args: not args.fmt.packed)

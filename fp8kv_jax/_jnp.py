@@ -20,6 +20,13 @@ from fp8kv.modes import ScaleKind, SideScale
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
+def launch(op: str, arrays: dict, *, args) -> dict:
+    """``op`` (a family: an op and its combined form) on ``arrays`` (by argument name; None
+    where absent) for the validated call ``args``: the function of this module named as the op,
+    ``(arrays, *, args) -> {output: array}``."""
+    return globals()[op](arrays, args=args)
+
+
 def _scale(array, scale: SideScale, trailing: int):
     """The static scale, shaped to broadcast against ``[..., num_kv_heads, *trailing dims]``
     (None without one; dynamic scales come from :func:`_stored_scales`)."""

@@ -65,9 +65,8 @@ def needed(arrays) -> bool:
 def run(op: str, impl, given: dict, args, outputs: tuple, options: dict) -> dict:
     """``impl``'s ``op`` on ``given`` (by argument name; None where absent), through the
     partitioning rule where the arrays may be sharded; the results by name."""
-    fn = getattr(impl, OPS[op].family)
     if not needed(given.values()):
-        return fn(given, args=args)
+        return impl.launch(OPS[op].family, given, args=args)
     names = tuple(n for n, a in given.items() if isinstance(a, jax.Array))
     paged = OPS[op].paged_args(args)
     cache = given["kv_cache"] if paged.combined else given["key_cache"]
@@ -92,8 +91,8 @@ def _local(call: Call, arrays: dict) -> tuple:
     infos = frontend_args(_args.info, jax.Array, {n: arrays[n] for n in entry.required(JAX)},
                           optional)
     args = entry.check(**infos, **options)
-    out = getattr(_IMPLS[call.impl], entry.family)({**dict.fromkeys(call.absent), **arrays},
-                                                  args=args)
+    out = _IMPLS[call.impl].launch(entry.family, {**dict.fromkeys(call.absent), **arrays},
+                                   args=args)
     return tuple(out[n] for n in call.outputs)
 
 

@@ -92,22 +92,15 @@ def _launch(kernel, plan, operands: OperandMap, arrays: dict, new: dict | None =
     return {o.source: r for o, r in zip(operands.outputs, results) if o.used}
 
 
-def write_kv(arrays: dict, *, args) -> dict:
-    """As :func:`fp8kv_jax._jnp.write_kv`."""
-    return _one_kernel(arrays, op="write_kv", args=args,
-                       xla=_xla_triton.enabled() and not args.fmt.packed)
-
-
-def dequantize_pages(arrays: dict, *, args) -> dict:
-    """As :func:`fp8kv_jax._jnp.dequantize_pages`."""
-    return _one_kernel(arrays, op="dequantize_pages", args=args,
-                       xla=_xla_triton.enabled() and not args.fmt.packed)
-
-
-def rope_write_kv(arrays: dict, *, args) -> dict:
-    """As :func:`fp8kv_jax._jnp.rope_write_kv`: a given ``query_out`` is aliased (written in
-    place when donated), a missing one and ``key_out`` are new outputs."""
-    return _one_kernel(arrays, op="rope_write_kv", args=args, xla=False)
+def launch(op: str, arrays: dict, *, args) -> dict:
+    """As :func:`fp8kv_jax._jnp.launch`: the kernels of ``op`` (a family) as the op table plans
+    them. A given output that is also a new one (``rope_write_kv``'s ``query_out``) is aliased:
+    written in place when donated."""
+    entry = OPS[op]
+    xla = _xla_triton.enabled() and entry.xla_triton(args)
+    if entry.workspace:   # several kernels and their scratch arrays
+        return _paged_attention(arrays, args=args, xla=xla)
+    return _one_kernel(arrays, op=op, args=args, xla=xla)
 
 
 # The path is a static argument: FP8KV_JAX_XLA_TRITON is read per call, and a jitted function
@@ -131,14 +124,10 @@ def _new(op: str, args) -> dict:
             for name, (shape, dtype) in OPS[op].made(args).items()}
 
 
-def paged_attention(arrays: dict, *, args) -> dict:
-    """As :func:`fp8kv_jax._jnp.paged_attention`: the attention kernel and, where the plan splits
-    the tokens, the merge of its fp32 partials (docs/SPEC.md section 16)."""
-    return _paged_attention(arrays, args=args, xla=_xla_triton.enabled())
-
-
 @functools.partial(jax.jit, static_argnames=("args", "xla"))
 def _paged_attention(given: dict, *, args, xla: bool) -> dict:
+    """The attention kernel and, where the plan splits the tokens, the merge of its fp32
+    partials (docs/SPEC.md section 16)."""
     from fp8kv import ops  # imports Triton: only on this path
 
     given = dict(given)
