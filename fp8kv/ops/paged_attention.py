@@ -122,8 +122,35 @@ _NVFP4_ODD_PTX: tl.constexpr = tl.constexpr("""{
 }""")
 
 
+# Both nibbles of four bytes to fp16 bits as the two above (high bytes ``h``: low nibbles, ``g``:
+# high ones), each pair then multiplied by its block scale (``$5``, ``$6``: the scale of elements
+# 0-1 and 2-3 as fp16 pairs): the MMA operands leave the asm as the 32-bit pairs the dot takes,
+# where a multiply outside it makes Triton unpack and repack every fp16 around it.
+_NVFP4_SCALED_PTX: tl.constexpr = tl.constexpr("""{
+    .reg .b32 a, b, h, g;
+    shl.b32 a, $4, 1;
+    and.b32 a, a, 0x0E0E0E0E;
+    shl.b32 b, $4, 4;
+    and.b32 b, b, 0x80808080;
+    or.b32 h, a, b;
+    shr.b32 a, $4, 3;
+    and.b32 a, a, 0x0E0E0E0E;
+    and.b32 b, $4, 0x80808080;
+    or.b32 g, a, b;
+    prmt.b32 a, h, 0, 0x1404;
+    mul.rn.f16x2 $0, a, $5;
+    prmt.b32 a, h, 0, 0x3424;
+    mul.rn.f16x2 $1, a, $6;
+    prmt.b32 a, g, 0, 0x1404;
+    mul.rn.f16x2 $2, a, $5;
+    prmt.b32 a, g, 0, 0x3424;
+    mul.rn.f16x2 $3, a, $6;
+}""")
+
+
 @jit
-def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr):
+def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr,
+                  FUSED: tl.constexpr, TRANSPOSED: tl.constexpr):
     """``(even, odd)``: fp16 of the low and the high nibbles of NVFP4 pairs ``[..., D / 2]``
     (elements ``2i`` and ``2i + 1``) times their e4m3 block scales ``[..., D / 16]``, exact: a
     code ``c`` as the fp16 bits ``(c & 7) << 9`` is its E2M1 value times ``2**-14``; the block
@@ -131,24 +158,33 @@ def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr):
     most 10.5, at least ``2**-18`` with 6 significant bits), needs no rounding. The caller
     multiplies by ``2**8``. Even and odd elements stay apart: the dots take them as two halves
     of the head dimension (the query's and the output's columns split alike), so no nibble is
-    moved next to its neighbour."""
+    moved next to its neighbour. ``FUSED``: codes and scales in one asm (the same products);
+    ``TRANSPOSED`` (V, the B operand transposed): marked impure, so that Triton converts where
+    the bytes are loaded (see :func:`_fp16_of_e4m3_pairs_held`)."""
     bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0                   # [..., D/16]
-    if EXACT:
-        c = codes.to(tl.uint16)
-        even = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True)
-        odd = ((((c >> 4) & 0x7) << 9) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True)
-    else:   # the same bits, four bytes at a time
-        even = tl.inline_asm_elementwise(_NVFP4_EVEN_PTX, "=r,=r,r", [codes], dtype=tl.float16,
-                                         is_pure=True, pack=4)
-        odd = tl.inline_asm_elementwise(_NVFP4_ODD_PTX, "=r,=r,r", [codes], dtype=tl.float16,
-                                        is_pure=True, pack=4)
     shape: tl.constexpr = codes.shape
     blocks: tl.constexpr = block_scales.shape[-1]
-    # Each block's 8 bytes times its scale.
-    even = tl.reshape(tl.reshape(even, (shape[0], shape[1], blocks, 8)) * bs[:, :, :, None],
-                      shape)
-    odd = tl.reshape(tl.reshape(odd, (shape[0], shape[1], blocks, 8)) * bs[:, :, :, None],
-                     shape)
+    if FUSED and not EXACT:
+        scale = tl.reshape(tl.broadcast_to(bs[:, :, :, None], (shape[0], shape[1], blocks, 8)),
+                           shape)
+        even, odd = tl.inline_asm_elementwise(_NVFP4_SCALED_PTX, "=r,=r,=r,=r,r,r,r",
+                                              [codes, scale], dtype=(tl.float16, tl.float16),
+                                              is_pure=not TRANSPOSED, pack=4)
+    else:
+        if EXACT:
+            c = codes.to(tl.uint16)
+            even = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True)
+            odd = ((((c >> 4) & 0x7) << 9) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True)
+        else:   # the same bits, four bytes at a time
+            even = tl.inline_asm_elementwise(_NVFP4_EVEN_PTX, "=r,=r,r", [codes],
+                                             dtype=tl.float16, is_pure=True, pack=4)
+            odd = tl.inline_asm_elementwise(_NVFP4_ODD_PTX, "=r,=r,r", [codes],
+                                            dtype=tl.float16, is_pure=True, pack=4)
+        # Each block's 8 bytes times its scale.
+        even = tl.reshape(tl.reshape(even, (shape[0], shape[1], blocks, 8)) * bs[:, :, :, None],
+                          shape)
+        odd = tl.reshape(tl.reshape(odd, (shape[0], shape[1], blocks, 8)) * bs[:, :, :, None],
+                         shape)
     return even, odd
 
 
@@ -201,7 +237,7 @@ def read_tile(cache_ptr, side_ptr, rows, live, R: tl.constexpr, F: tl.constexpr,
                        + db[None, None, :], (db < R.head_dim // 16)[None, None, :], 0, live,
                        GUARD)
         BLOCK_CODES: tl.constexpr = F.BLOCK_SCALE   # (a nested constexpr is passed by name)
-        tile = fp16_of_nvfp4(codes, scales, BLOCK_CODES, EXACT)
+        tile = fp16_of_nvfp4(codes, scales, BLOCK_CODES, EXACT, R.fuse_scale, TRANSPOSED)
     else:
         if R.kind == READ_PLAIN and EXACT:   # the interpreter's bf16 is wrong: its bits, to fp32
             cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint16))
