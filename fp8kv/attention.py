@@ -46,7 +46,8 @@ class Reading(NamedTuple):
     ``FMT``), the static scale kind (a ScaleKind id), where dynamic scales are (COLUMNS_*),
     whether the call has a side array for it (dynamic or block scales), head_dim and its
     power-of-two tile width, and ``unit``, what the fp16 operand is multiplied by to give the
-    value (NVFP4: 2**8)."""
+    value (NVFP4: 2**8); ``fuse_scale`` (NVFP4): the block scales multiply the codes inside
+    the unpacking asm (``ATTENTION_SIZES``)."""
 
     kind: int
     scale: int
@@ -56,6 +57,7 @@ class Reading(NamedTuple):
     block_d: int
     unit: float
     plain_bf16: bool = False   # READ_PLAIN: a bf16 (else fp16) cache
+    fuse_scale: bool = False
 
 
 class QueryRows(NamedTuple):
@@ -75,7 +77,8 @@ class Geometry(NamedTuple):
 class Tiles(NamedTuple):
     """``block_m`` query rows x ``warps * block_n`` tokens per step; ``splits`` programs per row
     tile share the tokens; ``m_tiles`` row tiles per (sequence, kv head); ``stages`` the token
-    loop's software pipelining."""
+    loop's software pipelining; ``peel``: the first tile is taken before the loop (see
+    ``ATTENTION_SIZES``)."""
 
     block_m: int
     block_n: int
@@ -83,6 +86,7 @@ class Tiles(NamedTuple):
     splits: int
     m_tiles: int
     stages: int
+    peel: bool = False
 
 
 class Options(NamedTuple):
@@ -118,14 +122,28 @@ class Constants(NamedTuple):
 # (``python -m bench --only attention_sweep``). The interpreter
 # runs one program at a time: small tiles, and splits already for small calls so that the
 # merge kernel runs in CPU tests.
+# ``peel``: take each program's first tile before the token loop where the key side is read as
+# FP8 or NVFP4 codes (PEELED_READS). Their query is scaled into fp16 before its MMA layout, which
+# Triton reaches through shared memory; with its only user inside the loop Triton reloads the
+# operand there every step and keeps its buffer (the query broadcast to every warp) beside the
+# pipeline's. A user before the loop moves the load out: the operand stays in registers. The
+# sm_90 compile of the e4m3 Llama decode (5 stages) then fits four programs per SM, not three,
+# and takes fewer instructions per step, for more registers and one tile read outside the
+# pipeline (bench/NOTES.md has the numbers). The interpreter peels too, so that CPU tests run
+# the guarded tile (an empty share reads nothing).
+# ``fuse_scale``: NVFP4 codes and their block scales become MMA operands in one asm per four
+# bytes (fp16 pairs out), instead of an unpacking asm and fp16 multiplies outside it, around
+# which Triton splits and rejoins every pair: fewer instructions per step in the sm_90 compile,
+# the same products. The interpreter has no asm: there it changes nothing.
 ATTENTION_SIZES = {
     CUDA: dict(block_m=16, block_n=32, warps=2, stages=5, split_stages=3, split_below=256,
                target_programs=264, min_split_tokens=256, max_splits=64, merge_rows=4,
-               merge_warps=4, packed=dict(stages=3)),
+               merge_warps=4, peel=True, fuse_scale=True, packed=dict(stages=3)),
     INTERPRET: dict(block_m=16, block_n=16, warps=2, stages=1, split_stages=1, split_below=4,
                     target_programs=4, min_split_tokens=16, max_splits=4, merge_rows=16,
-                    merge_warps=1, packed={}),
+                    merge_warps=1, peel=True, fuse_scale=True, packed={}),
 }
+PEELED_READS = (READ_FP8, READ_NVFP4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,14 +431,15 @@ def _cache(args: AttentionArgs) -> Cache:
                  COMBINED=args.combined, LAYER_KIND=kind.id, NUM_LAYERS=layers.num_layers)
 
 
-def _reading(args: AttentionArgs, side: SideScale, head_dim: int) -> Reading:
+def _reading(args: AttentionArgs, side: SideScale, head_dim: int, sizes: dict) -> Reading:
     block_d = triton.next_power_of_2(head_dim)
     fmt = args.fmt
     if fmt is None:
         return Reading(READ_PLAIN, ScaleKind.NONE.id, COLUMNS_NONE, False, head_dim, block_d,
                        1.0, args.query.dtype == "bfloat16")
     if fmt.packed:
-        return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 256.0)
+        return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 256.0,
+                       fuse_scale=sizes["fuse_scale"])
     if fmt.block_scaled:   # mxfp8: fp32 operands, the block scales applied to them
         return Reading(READ_MXFP8, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 1.0)
     columns = (COLUMNS_INLINE if args.inline_pad and side.is_dynamic else
@@ -457,13 +476,15 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
     programs = args.num_seqs * args.num_kv_heads * m_tiles
     splits = splits_for(programs, max_context, tile, sizes)
     query = args.query
+    key_read = _reading(args, args.key_scale, d, sizes)
     consts = Constants(
         QueryRows(query.strides[0], query.strides[1]), _cache(args),
-        _reading(args, args.key_scale, d), _reading(args, args.value_scale, d),
+        key_read, _reading(args, args.value_scale, d, sizes),
         Geometry(args.num_heads, args.num_kv_heads, group, d, kc.page_size,
                  args.block_table.strides[1]),
         Tiles(block_m, sizes["block_n"], sizes["warps"], splits, m_tiles,
-              sizes["stages" if splits == 1 else "split_stages"]),
+              sizes["stages" if splits == 1 else "split_stages"],
+              sizes["peel"] and key_read.kind in PEELED_READS),
         Options(args.varlen, args.sliding_window is not None, args.logits_soft_cap is not None,
                 args.sinks, exact, int(OUT_KIND_OF_DTYPE[args.out_dtype]), backend == CUDA,
                 args.softmax_scale, float(args.logits_soft_cap or 1.0)))

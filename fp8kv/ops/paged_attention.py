@@ -122,8 +122,35 @@ _NVFP4_ODD_PTX: tl.constexpr = tl.constexpr("""{
 }""")
 
 
+# Both nibbles of four bytes to fp16 bits as the two above (high bytes ``h``: low nibbles, ``g``:
+# high ones), each pair then multiplied by its block scale (``$5``, ``$6``: the scale of elements
+# 0-1 and 2-3 as fp16 pairs): the MMA operands leave the asm as the 32-bit pairs the dot takes,
+# where a multiply outside it makes Triton unpack and repack every fp16 around it.
+_NVFP4_SCALED_PTX: tl.constexpr = tl.constexpr("""{
+    .reg .b32 a, b, h, g;
+    shl.b32 a, $4, 1;
+    and.b32 a, a, 0x0E0E0E0E;
+    shl.b32 b, $4, 4;
+    and.b32 b, b, 0x80808080;
+    or.b32 h, a, b;
+    shr.b32 a, $4, 3;
+    and.b32 a, a, 0x0E0E0E0E;
+    and.b32 b, $4, 0x80808080;
+    or.b32 g, a, b;
+    prmt.b32 a, h, 0, 0x1404;
+    mul.rn.f16x2 $0, a, $5;
+    prmt.b32 a, h, 0, 0x3424;
+    mul.rn.f16x2 $1, a, $6;
+    prmt.b32 a, g, 0, 0x1404;
+    mul.rn.f16x2 $2, a, $5;
+    prmt.b32 a, g, 0, 0x3424;
+    mul.rn.f16x2 $3, a, $6;
+}""")
+
+
 @jit
-def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr):
+def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr,
+                  FUSED: tl.constexpr, TRANSPOSED: tl.constexpr):
     """``(even, odd)``: fp16 of the low and the high nibbles of NVFP4 pairs ``[..., D / 2]``
     (elements ``2i`` and ``2i + 1``) times their e4m3 block scales ``[..., D / 16]``, exact: a
     code ``c`` as the fp16 bits ``(c & 7) << 9`` is its E2M1 value times ``2**-14``; the block
@@ -131,24 +158,33 @@ def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr):
     most 10.5, at least ``2**-18`` with 6 significant bits), needs no rounding. The caller
     multiplies by ``2**8``. Even and odd elements stay apart: the dots take them as two halves
     of the head dimension (the query's and the output's columns split alike), so no nibble is
-    moved next to its neighbour."""
+    moved next to its neighbour. ``FUSED``: codes and scales in one asm (the same products);
+    ``TRANSPOSED`` (V, the B operand transposed): marked impure, so that Triton converts where
+    the bytes are loaded (see :func:`_fp16_of_e4m3_pairs_held`)."""
     bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0                   # [..., D/16]
-    if EXACT:
-        c = codes.to(tl.uint16)
-        even = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True)
-        odd = ((((c >> 4) & 0x7) << 9) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True)
-    else:   # the same bits, four bytes at a time
-        even = tl.inline_asm_elementwise(_NVFP4_EVEN_PTX, "=r,=r,r", [codes], dtype=tl.float16,
-                                         is_pure=True, pack=4)
-        odd = tl.inline_asm_elementwise(_NVFP4_ODD_PTX, "=r,=r,r", [codes], dtype=tl.float16,
-                                        is_pure=True, pack=4)
     shape: tl.constexpr = codes.shape
     blocks: tl.constexpr = block_scales.shape[-1]
-    # Each block's 8 bytes times its scale.
-    even = tl.reshape(tl.reshape(even, (shape[0], shape[1], blocks, 8)) * bs[:, :, :, None],
-                      shape)
-    odd = tl.reshape(tl.reshape(odd, (shape[0], shape[1], blocks, 8)) * bs[:, :, :, None],
-                     shape)
+    if FUSED and not EXACT:
+        scale = tl.reshape(tl.broadcast_to(bs[:, :, :, None], (shape[0], shape[1], blocks, 8)),
+                           shape)
+        even, odd = tl.inline_asm_elementwise(_NVFP4_SCALED_PTX, "=r,=r,=r,=r,r,r,r",
+                                              [codes, scale], dtype=(tl.float16, tl.float16),
+                                              is_pure=not TRANSPOSED, pack=4)
+    else:
+        if EXACT:
+            c = codes.to(tl.uint16)
+            even = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True)
+            odd = ((((c >> 4) & 0x7) << 9) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True)
+        else:   # the same bits, four bytes at a time
+            even = tl.inline_asm_elementwise(_NVFP4_EVEN_PTX, "=r,=r,r", [codes],
+                                             dtype=tl.float16, is_pure=True, pack=4)
+            odd = tl.inline_asm_elementwise(_NVFP4_ODD_PTX, "=r,=r,r", [codes],
+                                            dtype=tl.float16, is_pure=True, pack=4)
+        # Each block's 8 bytes times its scale.
+        even = tl.reshape(tl.reshape(even, (shape[0], shape[1], blocks, 8)) * bs[:, :, :, None],
+                          shape)
+        odd = tl.reshape(tl.reshape(odd, (shape[0], shape[1], blocks, 8)) * bs[:, :, :, None],
+                         shape)
     return even, odd
 
 
@@ -163,47 +199,68 @@ def plain_to_fp32(bits, BF16: tl.constexpr):
 
 
 @jit
-def read_tile(cache_ptr, side_ptr, rows, R: tl.constexpr, F: tl.constexpr,
-              TRANSPOSED: tl.constexpr, EXACT: tl.constexpr):
+def _load(ptrs, mask, other, live, GUARD: tl.constexpr):
+    """``tl.load(ptrs)`` where ``mask`` (None: everywhere) and, with ``GUARD``, where the scalar
+    ``live`` holds (``other`` elsewhere, 0 if None)."""
+    if GUARD:
+        if mask is None:
+            x = tl.load(ptrs, mask=live, other=0)
+        elif other is None:
+            x = tl.load(ptrs, mask=mask & live, other=0)
+        else:
+            x = tl.load(ptrs, mask=mask & live, other=other)
+    elif mask is None:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=mask, other=other)
+    return x
+
+
+@jit
+def read_tile(cache_ptr, side_ptr, rows, live, R: tl.constexpr, F: tl.constexpr,
+              TRANSPOSED: tl.constexpr, EXACT: tl.constexpr, GUARD: tl.constexpr):
     """``(tile, columns)``: the ``[W, BLOCK_N, D]`` MMA operand of one side's tokens and their
     dynamic scales ``[W, BLOCK_N]`` (1.0 without). ``rows``: their rows' offsets in the cache
     and in the side array (:func:`fp8kv.ops.addressing.slot_rows`; the pointers are at the
-    program's kv head); ``F``: the cache's codec."""
+    program's kv head); ``F``: the cache's codec. With ``GUARD``, nothing is read unless
+    ``live`` (zeros instead)."""
     rows, srows = rows
     if R.kind != READ_PLAIN:   # codes and inline scales are bytes, whatever the cache's dtype
         cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint8))
     d = tl.arange(0, R.block_d)
     if R.kind == READ_NVFP4:
         dh = tl.arange(0, R.block_d // 2)
-        codes = tl.load(cache_ptr + rows[:, :, None] + dh[None, None, :],
-                        mask=(dh < R.head_dim // 2)[None, None, :], other=0)
+        codes = _load(cache_ptr + rows[:, :, None] + dh[None, None, :],
+                      (dh < R.head_dim // 2)[None, None, :], 0, live, GUARD)
         db = tl.arange(0, R.block_d // 16)
-        scales = tl.load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
-                         + db[None, None, :], mask=(db < R.head_dim // 16)[None, None, :],
-                         other=0)
+        scales = _load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
+                       + db[None, None, :], (db < R.head_dim // 16)[None, None, :], 0, live,
+                       GUARD)
         BLOCK_CODES: tl.constexpr = F.BLOCK_SCALE   # (a nested constexpr is passed by name)
-        tile = fp16_of_nvfp4(codes, scales, BLOCK_CODES, EXACT)
+        tile = fp16_of_nvfp4(codes, scales, BLOCK_CODES, EXACT, R.fuse_scale, TRANSPOSED)
     else:
         if R.kind == READ_PLAIN and EXACT:   # the interpreter's bf16 is wrong: its bits, to fp32
             cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint16))
         if R.block_d == R.head_dim:
-            tile = tl.load(cache_ptr + rows[:, :, None] + d[None, None, :])
+            tile = _load(cache_ptr + rows[:, :, None] + d[None, None, :], None, None, live,
+                         GUARD)
         else:   # head_dim 80, 96, ...: the tile's padding columns are zeros
-            tile = tl.load(cache_ptr + rows[:, :, None] + d[None, None, :],
-                           mask=(d < R.head_dim)[None, None, :], other=0)
+            tile = _load(cache_ptr + rows[:, :, None] + d[None, None, :],
+                         (d < R.head_dim)[None, None, :], 0, live, GUARD)
         if R.kind == READ_PLAIN and EXACT:
             tile = plain_to_fp32(tile, R.plain_bf16)
     if R.kind == READ_FP8:
         tile = fp16_of_fp8(tile, F, TRANSPOSED, EXACT)
     if R.kind == READ_MXFP8:   # e4m3 values times their blocks' 2**(e - 127), exact in fp32
-        e = tl.load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
-                    + (d // F.BLOCK_SIZE)[None, None, :], mask=(d < R.head_dim)[None, None, :],
-                    other=127)
+        e = _load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
+                  + (d // F.BLOCK_SIZE)[None, None, :], (d < R.head_dim)[None, None, :], 127,
+                  live, GUARD)
         tile = mxfp8_values(decode(tile.to(tl.int32), F, EXACT), e.to(tl.int32), EXACT)
     if R.columns == COLUMNS_ARRAY:
-        columns = tl.load(side_ptr + srows)
+        columns = _load(side_ptr + srows, None, None, live, GUARD)
     elif R.columns == COLUMNS_INLINE:   # the fp32 after the row's head_dim codes
-        columns = tl.load((cache_ptr + rows + R.head_dim).to(tl.pointer_type(tl.float32)))
+        columns = _load((cache_ptr + rows + R.head_dim).to(tl.pointer_type(tl.float32)), None,
+                        None, live, GUARD)
     else:
         columns = 1.0
     return tile, columns
@@ -273,11 +330,15 @@ def _soft_cap(s, cap):
 
 
 @jit
-def attend_tile(state, qm, t0, seen, sides, table, h, scales, C: tl.constexpr):
+def attend_tile(state, qm, t0, seen, sides, table, h, scales, live, C: tl.constexpr,
+                GUARD: tl.constexpr):
     """One step of the token loop: the tile of ``W * BLOCK_N`` tokens from ``t0`` (``seen``:
     the share's end, the last visible token, the rows' positions, the window) folded into the
     online softmax ``state`` = ``(m, l, acc, v_exp)``. ``sides``: the K and V caches' and side
-    arrays' pointers; ``scales``: the score scale and the soft cap; ``C``: the constexprs."""
+    arrays' pointers; ``scales``: the score scale and the soft cap; ``C``: the constexprs.
+    ``GUARD``: a tile that may lie past the share's end (``live`` false), where nothing may be
+    read -- not even the block table's entry of the clamped last token, as a sequence without
+    tokens has none; the state is then left as it is (every score is masked)."""
     CACHE: tl.constexpr = C.cache
     KEY: tl.constexpr = CACHE.KEY
     VALUE: tl.constexpr = CACHE.VALUE
@@ -295,14 +356,16 @@ def attend_tile(state, qm, t0, seen, sides, table, h, scales, C: tl.constexpr):
     n = tl.arange(0, T.block_n)
     t = t0 + w[:, None] * T.block_n + n[None, :]                 # [W, BLOCK_N]
     tc = tl.minimum(t, last)
-    page = tl.load(table + (tc // G.page_size) * G.stride_table_page).to(tl.int64)
+    page = _load(table + (tc // G.page_size) * G.stride_table_page, None, None, live,
+                 GUARD).to(tl.int64)
     slot = tc % G.page_size
     k_rows = slot_rows(page, slot, KEY)
     if KEY == VALUE:   # the same strides (V of a combined cache: its own offset, compiled in)
         v_rows = k_rows
     else:
         v_rows = slot_rows(page, slot, VALUE)
-    k, k_cols = read_tile(key_cache_ptr, key_side_ptr, k_rows, R_K, FMT, False, OPT.exact)
+    k, k_cols = read_tile(key_cache_ptr, key_side_ptr, k_rows, live, R_K, FMT, False, OPT.exact,
+                          GUARD)
     if R_K.kind == READ_NVFP4:   # even and odd halves of the head dimension
         s = tl.dot(qm[0], tl.permute(k[0], (0, 2, 1)))
         s = tl.dot(qm[1], tl.permute(k[1], (0, 2, 1)), s)
@@ -324,7 +387,8 @@ def attend_tile(state, qm, t0, seen, sides, table, h, scales, C: tl.constexpr):
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(s - m_use[:, :, None])
     l_i = l_i * alpha + tl.reduce(p, 2, _sum_combine)
-    v, v_cols = read_tile(value_cache_ptr, value_side_ptr, v_rows, R_V, FMT, True, OPT.exact)
+    v, v_cols = read_tile(value_cache_ptr, value_side_ptr, v_rows, live, R_V, FMT, True,
+                          OPT.exact, GUARD)
     if R_V.columns != COLUMNS_NONE:
         # Probabilities times the tokens' V scales, in units of 2**v_exp: the largest scale
         # seen so far (a power of two, so the rescaling of acc is exact).
@@ -438,13 +502,22 @@ def _paged_attention_kernel(
     sides = (key_cache_ptr, value_cache_ptr, key_side_ptr, value_side_ptr)
     seen = (end, last, pos[None, :, None], window)
     scales = (score_scale, OPT.cap)
+    first = start
+    if T.peel:
+        # The first tile before the loop: the query's MMA operand then has a user outside the
+        # loop too, so Triton loads it from shared memory once, here, and keeps it in registers
+        # (with one user in the loop it reloads it there every step, and its shared buffer
+        # stays allocated beside the pipeline's).
+        state = attend_tile(state, qm, start, seen, sides, table, h, scales, start < end, C,
+                            True)
+        first = start + TILE
     if OPT.pipelined:
-        for t0 in tl.range(start, end, TILE, num_stages=T.stages):
-            state = attend_tile(state, qm, t0, seen, sides, table, h, scales, C)
+        for t0 in tl.range(first, end, TILE, num_stages=T.stages):
+            state = attend_tile(state, qm, t0, seen, sides, table, h, scales, True, C, False)
     else:   # the interpreter takes loop bounds from host scalars only: a while loop there
-        t0 = start
+        t0 = first
         while t0 < end:
-            state = attend_tile(state, qm, t0, seen, sides, table, h, scales, C)
+            state = attend_tile(state, qm, t0, seen, sides, table, h, scales, True, C, False)
             t0 += TILE
     m_i, l_i, acc, v_exp = state
 
