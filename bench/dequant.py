@@ -40,7 +40,7 @@ class DequantCase:
 
     def launch_calls(self, exact: bool) -> list:
         """Calls of the launcher with the exact (True) or hardware (False) conversions forced."""
-        return [functools.partial(_launch.dequantize_pages, self.key_cache, self.value_cache, t,
+        return [functools.partial(_launch.call, "dequantize_pages", self.key_cache, self.value_cache, t,
                                   self.key_scale, self.value_scale, self.outs[0].dtype, "NHD", None,
                                   None, tuple(self.outs), exact=exact)
                 for t in self.tables]

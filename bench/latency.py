@@ -79,7 +79,7 @@ def table_latency_floor(device, cfg: Config, timer: Timer, tokens: int = 16) -> 
     # Host side: the public call (cached launch), the launch alone, and the uncached path.
     calls = {
         "host: fp8kv_torch.write_kv": write,
-        "host: uncached (validate + plan + kernel[grid])": lambda: _launch.write_kv(
+        "host: uncached (validate + plan + kernel[grid])": lambda: _launch.call("write_kv", 
             key, value, case.key_cache, case.value_cache, slots, case.key_scale, case.value_scale,
             "NHD", None, exact=False),
         "host: Triton kernel[grid] of an empty kernel": lambda: _empty_kernel[(1,)](src),

@@ -46,7 +46,7 @@ class WriteCase:
 
     def launch_calls(self, exact: bool) -> list:
         """Calls of the launcher with the exact (True) or hardware (False) conversions forced."""
-        return [functools.partial(_launch.write_kv, k, v, self.key_cache, self.value_cache, s,
+        return [functools.partial(_launch.call, "write_kv", k, v, self.key_cache, self.value_cache, s,
                                   self.key_scale, self.value_scale, self.layout, None, exact=exact)
                 for k, v, s in self.sets]
 

@@ -20,6 +20,7 @@ direct launch off (:mod:`fp8kv_torch._fast`).
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 
 import torch
@@ -287,6 +288,19 @@ def _cached_launch(op: str, args: tuple, options: tuple):
 SPECS = {name: _Spec(op) for name, op in OPS.items()}
 
 
+def call(op: str, *args, exact=None, launch=True, **kwargs):
+    """``op`` with its public function's arguments (positional ones in that function's order,
+    its keyword-only ones included; its defaults) and the launcher's own switches, for tests and
+    benchmarks: ``exact`` and ``launch`` as in :func:`run`."""
+    import fp8kv_torch
+
+    params = inspect.signature(getattr(fp8kv_torch, op)).parameters
+    named = {name: p.default for name, p in params.items()}
+    named.update(zip(params, args))
+    named.update(kwargs, exact=exact, launch=launch)
+    return run(op, named)
+
+
 def _host(value, name: str):
     """An argument's values on the host, for ``check_bounds`` (a number as it is)."""
     return host_values(value, name) if isinstance(value, torch.Tensor) else value
@@ -354,19 +368,6 @@ def run(op: str, named: dict):
     return spec.result(outs)
 
 
-def write_kv(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout, fp8_format,
-             exact=None, launch=True, key_scale_cache=None, value_scale_cache=None,
-             scale_rounding="exact", check_bounds=False, cache_format=None, layer=None):
-    """Validate, plan and launch one write (:func:`run`)."""
-    run("write_kv", locals())
-
-
-def write_kv_combined(key, value, kv_cache, slots, key_scale, value_scale, layout, fp8_format,
-                      exact=None, launch=True, key_scale_cache=None, value_scale_cache=None,
-                      scale_rounding="exact", check_bounds=False, cache_format=None,
-                      layer=None):
-    """:func:`write_kv` into one combined ``kv_cache``."""
-    run("write_kv_combined", locals())
 
 
 @functools.cache
@@ -426,41 +427,5 @@ def _each(makers: tuple):
 _new_outputs = functools.lru_cache(maxsize=256)(_NewOutputs)
 
 
-def dequantize_pages(key_cache, value_cache, block_table, key_scale, value_scale, dtype, layout,
-                     fp8_format, null_page, out=None, exact=None, launch=True,
-                     key_scale_cache=None, value_scale_cache=None, head_dim=None,
-                     check_bounds=False, cache_format=None, out_scale=None,
-                     layer=None) -> tuple:
-    """Validate, plan and launch one dequantize; returns ``(key_out, value_out, table_out)``.
-
-    ``out``: preallocated ``(key_out, value_out, table_out)``, or None to allocate them.
-    """
-    return run("dequantize_pages", locals())
 
 
-def dequantize_pages_combined(kv_cache, block_table, key_scale, value_scale, dtype, layout,
-                              fp8_format, null_page, out=None, exact=None, launch=True,
-                              key_scale_cache=None, value_scale_cache=None, head_dim=None,
-                              check_bounds=False, cache_format=None, out_scale=None,
-                              layer=None) -> tuple:
-    """:func:`dequantize_pages` of a combined ``kv_cache``: returns ``(kv_out, table_out)``;
-    ``out``: preallocated ``(kv_out, table_out)`` or None."""
-    return run("dequantize_pages_combined", locals())
-
-
-def rope_write_kv(query, key, value, key_cache, value_cache, slots, positions, cos_sin_cache,
-                  key_scale, value_scale, query_scale=None, query_out=None, key_out=None, *,
-                  rope_style="neox", rotary_dim=None, layout="NHD", fp8_format=None,
-                  key_scale_cache=None, value_scale_cache=None, scale_rounding="exact",
-                  exact=None, launch=True, check_bounds=False):
-    """Validate, plan and launch one rope_write_kv; returns ``query_out`` (made when None)."""
-    return run("rope_write_kv", locals())
-
-
-def rope_write_kv_combined(query, key, value, kv_cache, slots, positions, cos_sin_cache,
-                           key_scale, value_scale, query_scale=None, query_out=None,
-                           key_out=None, *, rope_style="neox", rotary_dim=None, layout="NHD",
-                           fp8_format=None, key_scale_cache=None, value_scale_cache=None,
-                           scale_rounding="exact", exact=None, launch=True, check_bounds=False):
-    """:func:`rope_write_kv` into one combined ``kv_cache``."""
-    return run("rope_write_kv_combined", locals())

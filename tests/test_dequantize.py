@@ -37,7 +37,7 @@ def run_case(case: DequantCase, device: str, exact=None, seed: int = 0):
                                fp8_format=case.fp8_format, null_page=case.null_page, out=outs)
         assert all(g is o for g, o in zip(got, outs))
     else:
-        _launch.dequantize_pages(t["key_cache"], t["value_cache"], t["block_table"], t["key_scale"],
+        _launch.call("dequantize_pages", t["key_cache"], t["value_cache"], t["block_table"], t["key_scale"],
                                  t["value_scale"], dtype, case.api_layout, case.fp8_format,
                                  case.null_page, outs, exact=exact)
     return tuple(bits(o) for o in outs), tuple(as_uint(w) for w in want)

@@ -136,7 +136,7 @@ def torch_write(case, x, device, exact=None):
         fp8kv_torch.write_kv(**t, layout=case.api_layout, fp8_format=case.fmt,
                              scale_rounding=case.rounding)
     else:
-        _launch.write_kv(t["key"], t["value"], t["key_cache"], t["value_cache"], t["slots"], None,
+        _launch.call("write_kv", t["key"], t["value"], t["key_cache"], t["value_cache"], t["slots"], None,
                          None, case.api_layout, case.fmt, exact=exact,
                          key_scale_cache=t["key_scale_cache"],
                          value_scale_cache=t["value_scale_cache"], scale_rounding=case.rounding)
@@ -364,7 +364,7 @@ def test_gpu_fast_path_on_all_inputs_below_the_amax(fmt, amax, granularity, roun
                    torch.empty((tokens, heads) if granularity == "tokenhead" else (tokens,),
                                device="cuda")]
             out.append(torch.empty_like(out[2]))
-            _launch.write_kv(x, -x, out[0], out[1], slots, None, None, "NHD", fmt, exact=exact,
+            _launch.call("write_kv", x, -x, out[0], out[1], slots, None, None, "NHD", fmt, exact=exact,
                              key_scale_cache=out[2], value_scale_cache=out[3],
                              scale_rounding=rounding)
             got.append(out)
@@ -391,7 +391,7 @@ def test_gpu_fast_scale_on_every_amax(fmt):
         for exact in (False, True):
             cache = torch.empty(tokens, heads, head_dim, dtype=torch.uint8, device="cuda")
             scales = torch.empty(tokens, heads, device="cuda")
-            _launch.write_kv(x, x, cache, cache, slots, None, None, "NHD", fmt, exact=exact,
+            _launch.call("write_kv", x, x, cache, cache, slots, None, None, "NHD", fmt, exact=exact,
                              key_scale_cache=scales, value_scale_cache=scales)
             got.append(scales)
         assert torch.equal(got[0], got[1]), f"amax bits {start:#x}.. differ"

@@ -39,7 +39,7 @@ def torch_write(case, x, device, exact=None):
     if exact is None:
         fp8kv_torch.write_kv(**t, layout=case.api_layout, cache_format="mxfp8")
     else:
-        _launch.write_kv(t["key"], t["value"], t["key_cache"], t["value_cache"], t["slots"],
+        _launch.call("write_kv", t["key"], t["value"], t["key_cache"], t["value_cache"], t["slots"],
                          None, None, case.api_layout, None, exact=exact,
                          key_scale_cache=t["key_scale_cache"],
                          value_scale_cache=t["value_scale_cache"], cache_format="mxfp8")
@@ -54,7 +54,7 @@ def torch_dequantize(case, arrays, out, device, exact=None):
               cache_format="mxfp8")
     if exact is None:
         return fp8kv_torch.dequantize_pages(kc, vc, tab, dtype=getattr(torch, out), **kw)
-    return _launch.dequantize_pages(kc, vc, tab, None, None, getattr(torch, out),
+    return _launch.call("dequantize_pages", kc, vc, tab, None, None, getattr(torch, out),
                                     case.api_layout, None, 0, exact=exact,
                                     key_scale_cache=ks, value_scale_cache=vs,
                                     cache_format="mxfp8")

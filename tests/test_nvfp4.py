@@ -35,7 +35,7 @@ def torch_write(case, x, device, exact=None, combined=False):
     if exact is None:
         fp8kv_torch.write_kv(**t, layout=case.api_layout, cache_format="nvfp4")
     else:
-        _launch.write_kv(t["key"], t["value"], t["key_cache"], t["value_cache"], t["slots"],
+        _launch.call("write_kv", t["key"], t["value"], t["key_cache"], t["value_cache"], t["slots"],
                          t["key_scale"], t["value_scale"], case.api_layout, None, exact=exact,
                          key_scale_cache=t["key_scale_cache"],
                          value_scale_cache=t["value_scale_cache"], cache_format="nvfp4")
@@ -529,7 +529,7 @@ def test_gpu_dequantize_fast_equals_exact(out, out_scale, division, monkeypatch)
                                 dtype=out, out_scale=scale)
     t = {n: _t(a, "cuda") for n, a in x.items()}
     for exact in (False, True):
-        got = _launch.dequantize_pages(t["key_cache"], t["value_cache"], _t(table, "cuda"),
+        got = _launch.call("dequantize_pages", t["key_cache"], t["value_cache"], _t(table, "cuda"),
                                        t["key_scale"], t["value_scale"], getattr(torch, out),
                                        "NHD", None, None, exact=exact,
                                        key_scale_cache=t["key_scale_cache"],

@@ -40,7 +40,7 @@ def run(case: RopeCase, inputs: dict, device, *, query_out=True, key_out=True, e
     if exact is None:
         q = rope_write_kv(*arrays, **kw)
     else:
-        q = _launch.rope_write_kv(*arrays, **kw, exact=exact)
+        q = _launch.call("rope_write_kv", *arrays, **kw, exact=exact)
     if query_out:
         assert q is t["query_out"]
     out = {"query_out": q, "key_cache": t["key_cache"], "value_cache": t["value_cache"]}
@@ -504,7 +504,7 @@ def test_gpu_large_batch(scales):
         vc = kc.clone()
         sc = ([torch.zeros(side_shape, device="cuda") for _ in range(2)] if side_shape
               else [None, None])
-        out = _launch.rope_write_kv(q, k, v, kc, vc, slots, positions,
+        out = _launch.call("rope_write_kv", q, k, v, kc, vc, slots, positions,
                                     torch.from_numpy(cs).cuda(), *static,
                                     key_scale_cache=sc[0], value_scale_cache=sc[1], exact=exact)
         results.append([out, kc, vc] + [s for s in sc if s is not None])

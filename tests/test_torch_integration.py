@@ -173,7 +173,7 @@ def test_gpu_every_16bit_pattern_fast_equals_exact(fmt, dtype, scale):
     caches = []
     for exact in (False, True):
         k = torch.zeros(64, 8, 128, dtype=torch.uint8, device="cuda")
-        _launch.write_kv(x, x, k, k.clone(), torch.arange(64, device="cuda"), scale, scale, "NHD", fmt,
+        _launch.call("write_kv", x, x, k, k.clone(), torch.arange(64, device="cuda"), scale, scale, "NHD", fmt,
                          exact=exact)
         caches.append(bits(k))
     np.testing.assert_array_equal(caches[0], caches[1])
@@ -192,7 +192,7 @@ def test_gpu_random_fp32_fast_equals_exact(fmt):
         got = []
         for exact in (False, True):
             k = torch.zeros(4096, 8, 128, dtype=torch.uint8, device="cuda")
-            _launch.write_kv(x, x, k, k.clone(), torch.arange(4096, device="cuda"), scale, scale,
+            _launch.call("write_kv", x, x, k, k.clone(), torch.arange(4096, device="cuda"), scale, scale,
                              "NHD", fmt, exact=exact)
             got.append(bits(k))
         np.testing.assert_array_equal(got[0], got[1])
@@ -283,8 +283,8 @@ def test_gpu_reciprocal_division_on_all_fp32_inputs(reciprocal_division, fmt, sc
     for start in range(0, 1 << 32, n):
         x = torch.arange(start, start + n, dtype=torch.int64, device="cuda").to(torch.int32)
         x = x.view(torch.float32).view(n // 1024, 8, 128)
-        _launch.write_kv(x, x, fast, fast, slots, scale_t, scale_t, "NHD", fmt, exact=False)
-        _launch.write_kv(x, x, exact, exact, slots, scale_t, scale_t, "NHD", fmt, exact=True)
+        _launch.call("write_kv", x, x, fast, fast, slots, scale_t, scale_t, "NHD", fmt, exact=False)
+        _launch.call("write_kv", x, x, exact, exact, slots, scale_t, scale_t, "NHD", fmt, exact=True)
         assert torch.equal(fast, exact), f"inputs {start:#x}..{start + n - 1:#x} differ"
 
 

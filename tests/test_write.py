@@ -27,7 +27,7 @@ def run_case(case: WriteCase, device: str, seed: int = 0, exact=None):
         write_kv(t["key"], t["value"], t["key_cache"], t["value_cache"], t["slots"], t["key_scale"],
                  t["value_scale"], layout=case.api_layout, fp8_format=case.fp8_format)
     else:
-        _launch.write_kv(t["key"], t["value"], t["key_cache"], t["value_cache"], t["slots"],
+        _launch.call("write_kv", t["key"], t["value"], t["key_cache"], t["value_cache"], t["slots"],
                          t["key_scale"], t["value_scale"], case.api_layout, case.fp8_format,
                          exact=exact)
     want = ref.write_kv(x["key"], x["value"], x["key_cache"], x["value_cache"], x["slots"],
