@@ -24,7 +24,11 @@ def launch(op: str, arrays: dict, *, args) -> dict:
     """``op`` (a family: an op and its combined form) on ``arrays`` (by argument name; None
     where absent) for the validated call ``args``: the function of this module named as the op,
     ``(arrays, *, args) -> {output: array}``."""
-    return globals()[op](arrays, args=args)
+    fn = globals().get(op)
+    if fn is None:
+        raise NotImplementedError(f"fp8kv_jax.{op}: no jnp path (arrays off NVIDIA GPUs); "
+                                  "on an NVIDIA GPU its Triton kernel runs")
+    return fn(arrays, args=args)
 
 
 def _scale(array, scale: SideScale, trailing: int):

@@ -108,3 +108,17 @@ def test_gpu_rope_write_launch_in_interpreter(case, combined, monkeypatch):
         g = np.asarray(g)
         assert (g.shape, g.dtype) == (w.shape, w.dtype), name
         np.testing.assert_array_equal(as_uint(g), as_uint(w), err_msg=name)
+
+
+def test_every_op_of_the_table_has_a_jnp_path_and_an_unknown_one_says_so():
+    """Ops are found by name (the table's families), so a missing function is named, not a
+    KeyError."""
+    from fp8kv.optable import OPS
+    from fp8kv_jax import _jnp
+
+    assert {op.family for op in OPS.values()} == {"write_kv", "dequantize_pages",
+                                                   "rope_write_kv", "paged_attention"}
+    for op in OPS.values():
+        assert callable(getattr(_jnp, op.family, None)), op.family
+    with pytest.raises(NotImplementedError, match="fp8kv_jax.no_such_op: no jnp path"):
+        _jnp.launch("no_such_op", {}, args=None)

@@ -239,3 +239,26 @@ def test_its_query_and_output_split_with_the_kv_heads(monkeypatch):
     text, kwargs = _shard._rule(call, mesh, shapes, [type("T", (), {"shape": (5, 8, 16)})])
     assert text.startswith("t (h H) d, p s h c, p s h c, b q, b, (h H) -> t (h H) d")
     assert kwargs["H"] == 4 and "h" not in kwargs["need_replication_factors"]
+
+
+def test_the_table_is_every_op_module_entry_and_kernels_resolve_by_name():
+    """OPS collects the OP of each module of fp8kv (and its combined form); a plan's kernel name
+    is found in whichever module of fp8kv.ops defines it, an unknown one is an AttributeError."""
+    import importlib
+    import pkgutil
+
+    import fp8kv
+    from fp8kv import ops
+
+    declared = {m.name: importlib.import_module(f"fp8kv.{m.name}").__dict__.get("OP")
+                for m in pkgutil.iter_modules(fp8kv.__path__) if not m.ispkg}
+    declared = {module: op.name for module, op in declared.items() if isinstance(op, Op)}
+    assert declared == {"write": "write_kv", "dequantize": "dequantize_pages",
+                        "rope_write": "rope_write_kv", "attention": "paged_attention"}
+    assert set(OPS) == {n for name in declared.values() for n in (name, f"{name}_combined")}
+    for name in ("_write_kv_kernel", "_write_nvfp4_kernel", "_dequantize_pages_kernel",
+                 "_dequantize_nvfp4_kernel", "_rope_write_kv_kernel", "_paged_attention_kernel",
+                 "_attention_merge_kernel"):
+        assert getattr(ops, name).fn.__name__ == name
+    with pytest.raises(AttributeError, match="_no_such_kernel"):
+        ops._no_such_kernel
