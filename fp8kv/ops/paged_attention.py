@@ -201,7 +201,11 @@ def plain_to_fp32(bits, BF16: tl.constexpr):
 @jit
 def _load(ptrs, mask, other, live, GUARD: tl.constexpr):
     """``tl.load(ptrs)`` where ``mask`` (None: everywhere) and, with ``GUARD``, where the scalar
-    ``live`` holds (``other`` elsewhere, 0 if None)."""
+    ``live`` holds (``other`` elsewhere, 0 if None). ``GUARD == 2`` (the interpreter): ``live``
+    made a block of ``ptrs``' shape first, as Triton 3.9's interpreter takes no scalar boolean
+    in a load's mask."""
+    if GUARD == 2:
+        live = tl.full(ptrs.shape, 0, tl.int32) < live.to(tl.int32)
     if GUARD:
         if mask is None:
             x = tl.load(ptrs, mask=live, other=0)
@@ -508,16 +512,20 @@ def _paged_attention_kernel(
         # loop too, so Triton loads it from shared memory once, here, and keeps it in registers
         # (with one user in the loop it reloads it there every step, and its shared buffer
         # stays allocated beside the pipeline's).
-        state = attend_tile(state, qm, start, seen, sides, table, h, scales, start < end, C,
-                            True)
+        if OPT.pipelined:
+            state = attend_tile(state, qm, start, seen, sides, table, h, scales, start < end,
+                                C, 1)
+        else:
+            state = attend_tile(state, qm, start, seen, sides, table, h, scales, start < end,
+                                C, 2)
         first = start + TILE
     if OPT.pipelined:
         for t0 in tl.range(first, end, TILE, num_stages=T.stages):
-            state = attend_tile(state, qm, t0, seen, sides, table, h, scales, True, C, False)
+            state = attend_tile(state, qm, t0, seen, sides, table, h, scales, True, C, 0)
     else:   # the interpreter takes loop bounds from host scalars only: a while loop there
         t0 = first
         while t0 < end:
-            state = attend_tile(state, qm, t0, seen, sides, table, h, scales, True, C, False)
+            state = attend_tile(state, qm, t0, seen, sides, table, h, scales, True, C, 0)
             t0 += TILE
     m_i, l_i, acc, v_exp = state
 
