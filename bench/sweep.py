@@ -129,26 +129,19 @@ def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
 
 
 # Attention: overrides of the CUDA row of ``ATTENTION_SIZES``, read by every format (the row's
-# ``packed`` override set aside); the first (none) is the row. The pipeline's depth (the shared
-# memory per program sets how many fit an SM), the first tile peeled off the loop (the query's
-# operand in registers), NVFP4's block scales applied inside the unpacking asm (``peel=False,
-# fuse_scale=False`` is the kernel before both), NVFP4 at 3 stages (the row's ``packed``) and the
-# split policy (when to split, how many programs to aim at, the fewest tokens per split). Kept
-# short: every candidate is a compile of its own.
+# ``packed`` override set aside); the first (none) is the row. Each of the row's recent changes
+# set back on its own: the peeled tile's early reads, the peel, a split call's pipeline depth,
+# splitting calls of 256-511 programs; and all of them at once (the row before). Kept short:
+# every candidate is a compile of its own.
 ATTENTION_CANDIDATES = (
-    {}, dict(peel=False), dict(fuse_scale=False), dict(peel=False, fuse_scale=False),
-    dict(packed=dict(stages=3)), dict(packed=dict(stages=3), peel=False, fuse_scale=False),
-    dict(stages=3), dict(stages=7), dict(split_stages=5),
-    dict(split_stages=5, split_below=1024, target_programs=1188),
-    dict(stages=7, split_stages=5, split_below=1024, target_programs=792),
-    dict(split_stages=5, min_split_tokens=128),
-    dict(stages=3, split_below=1024, target_programs=1188),
+    {}, dict(early_v=False), dict(peel=False), dict(split_stages=3),
+    dict(split_below=256), dict(split_stages=3, split_below=256, early_v=False),
 )
-ATTENTION_SWEEP_FORMATS = ("e4m3", "e4m3 token-head", "bf16", "nvfp4")
+ATTENTION_SWEEP_FORMATS = ("e4m3", "e4m3 token-head", "nvfp4")
 ATTENTION_SWEEP_SHAPES = ((1, 8192), (8, 4096), (32, 4096), (64, 2048), (256, 1024))
 _LABEL_KEYS = (("n", "block_n"), ("w", "warps"), ("s", "stages"), ("ss", "split_stages"),
                ("b", "split_below"), ("t", "target_programs"), ("m", "min_split_tokens"),
-               ("p", "peel"), ("f", "fuse_scale"))
+               ("r", "merge_rows"), ("p", "peel"), ("e", "early_v"), ("f", "fuse_scale"))
 
 
 def attention_candidate_label(overrides: dict) -> str:
@@ -168,8 +161,9 @@ def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
     table = Table("sweep_attention", "Sweep: paged attention tiles, warps, stages, splits",
                   "`ATTENTION_SIZES` candidates (`n` tokens per warp tile, `w` warps, `s` / `ss` "
                   "pipeline stages unsplit / split, `b` split below this many programs, `t` "
-                  "the programs splitting aims at, `m` the fewest tokens per split, `p1` the "
-                  "first tile peeled off the loop (FP8 / NVFP4 keys), `f1` NVFP4 block scales "
+                  "the programs splitting aims at, `m` the fewest tokens per split, `r` output "
+                  "rows per merge program, `p1` the first tile peeled off the loop (FP8 / NVFP4 "
+                  "keys), `e1` its reads issued before the query's, `f1` NVFP4 block scales "
                   "applied in the unpacking asm) per shape and cache format; the first "
                   "candidate is the table's row. NVFP4 reads with each candidate's own "
                   "stages (the row's `packed` override set aside) unless the label says "

@@ -87,6 +87,7 @@ class Tiles(NamedTuple):
     m_tiles: int
     stages: int
     peel: bool = False
+    early_v: bool = False
 
 
 class Options(NamedTuple):
@@ -130,18 +131,21 @@ class Constants(NamedTuple):
 # sm_90 compile of the e4m3 Llama decode (5 stages) then fits four programs per SM, not three,
 # and takes fewer instructions per step, for more registers and one tile read outside the
 # pipeline (bench/NOTES.md has the numbers). The interpreter peels too, so that CPU tests run
-# the guarded tile (an empty share reads nothing).
+# the guarded tile (an empty share reads nothing). ``early_v``: the peeled tile's reads (block
+# table, K, V) are issued before the query is read and scaled; outside the pipeline nothing
+# else would overlap those round trips, which a program of a split call (a few tiles) pays in
+# full.
 # ``fuse_scale``: NVFP4 codes and their block scales become MMA operands in one asm per four
 # bytes (fp16 pairs out), instead of an unpacking asm and fp16 multiplies outside it, around
 # which Triton splits and rejoins every pair: fewer instructions per step in the sm_90 compile,
 # the same products. The interpreter has no asm: there it changes nothing.
 ATTENTION_SIZES = {
-    CUDA: dict(block_m=16, block_n=32, warps=2, stages=5, split_stages=3, split_below=256,
+    CUDA: dict(block_m=16, block_n=32, warps=2, stages=5, split_stages=5, split_below=512,
                target_programs=264, min_split_tokens=256, max_splits=64, merge_rows=4,
-               merge_warps=4, peel=True, fuse_scale=True, packed=dict(stages=3)),
+               merge_warps=4, peel=True, early_v=True, fuse_scale=True, packed=dict(stages=3)),
     INTERPRET: dict(block_m=16, block_n=16, warps=2, stages=1, split_stages=1, split_below=4,
                     target_programs=4, min_split_tokens=16, max_splits=4, merge_rows=16,
-                    merge_warps=1, peel=True, fuse_scale=True, packed={}),
+                    merge_warps=1, peel=True, early_v=True, fuse_scale=True, packed={}),
 }
 PEELED_READS = (READ_FP8, READ_NVFP4)
 
@@ -484,7 +488,7 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
                  args.block_table.strides[1]),
         Tiles(block_m, sizes["block_n"], sizes["warps"], splits, m_tiles,
               sizes["stages" if splits == 1 else "split_stages"],
-              sizes["peel"] and key_read.kind in PEELED_READS),
+              sizes["peel"] and key_read.kind in PEELED_READS, sizes["early_v"]),
         Options(args.varlen, args.sliding_window is not None, args.logits_soft_cap is not None,
                 args.sinks, exact, int(OUT_KIND_OF_DTYPE[args.out_dtype]), backend == CUDA,
                 args.softmax_scale, float(args.logits_soft_cap or 1.0)))
@@ -665,5 +669,4 @@ OP = Op(
     check_attention, attention_bounds, lambda args: {"out": (args.out_shape, args.out_dtype)},
     lambda args: args.num_tokens == 0, attention_operands,
     from_shapes(plan_attention), returns=("out",), splits=("h",),
-    reads=("seq_lens", "query_start_loc", "layer"), workspace=("partial_out", "partial_stats"),
-    xla_triton=lambda args: True)
+    reads=("seq_lens", "query_start_loc", "layer"), workspace=("partial_out", "partial_stats"))

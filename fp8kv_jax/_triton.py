@@ -97,10 +97,10 @@ def launch(op: str, arrays: dict, *, args) -> dict:
     them. A given output that is also a new one (``rope_write_kv``'s ``query_out``) is aliased:
     written in place when donated."""
     entry = OPS[op]
-    xla = _xla_triton.enabled() and entry.xla_triton(args)
     if entry.workspace:   # several kernels and their scratch arrays
-        return _paged_attention(arrays, args=args, xla=xla)
-    return _one_kernel(arrays, op=op, args=args, xla=xla)
+        return _paged_attention(arrays, args=args)
+    return _one_kernel(arrays, op=op, args=args,
+                       xla=_xla_triton.enabled() and entry.xla_triton(args))
 
 
 # The path is a static argument: FP8KV_JAX_XLA_TRITON is read per call, and a jitted function
@@ -124,23 +124,21 @@ def _new(op: str, args) -> dict:
             for name, (shape, dtype) in OPS[op].made(args).items()}
 
 
-@functools.partial(jax.jit, static_argnames=("args", "xla"))
-def _paged_attention(given: dict, *, args, xla: bool) -> dict:
+@functools.partial(jax.jit, static_argnames=("args",))
+def _paged_attention(given: dict, *, args) -> dict:
     """The attention kernel and, where the plan splits the tokens, the merge of its fp32
-    partials (docs/SPEC.md section 16)."""
+    partials (docs/SPEC.md section 16), through jax-triton: the kernels torch runs, compiled by
+    the installed Triton. (XLA's own compile of the same IR ignores the token loop's pipelining
+    and gave other output bytes than torch's: bench/NOTES.md.)"""
     from fp8kv import ops  # imports Triton: only on this path
 
-    given = dict(given)
-    if xla:
-        args, given = _xla_triton.device_scalars(args, given)
     plan = plan_attention(args, CUDA)   # two kernels where the tokens are split
-    out = jax.ShapeDtypeStruct(args.out_shape, jnp.dtype(args.out_dtype))
-    new = {"out": out,
+    new = {"out": jax.ShapeDtypeStruct(args.out_shape, jnp.dtype(args.out_dtype)),
            "partial_out": jax.ShapeDtypeStruct(plan.partial_out, jnp.float32),
            "partial_stats": jax.ShapeDtypeStruct(plan.partial_stats, jnp.float32)}
     written = _launch(ops._paged_attention_kernel, plan.attention,
-                              attention_operands(args, plan), given, new, xla=xla)
+                      attention_operands(args, plan), given, new)
     if plan.merge is not None:
         written = _launch(ops._attention_merge_kernel, plan.merge, merge_operands(args),
-                          {**given, **written}, new, xla=xla)
+                          {**given, **written}, new)
     return {"out": written["out"]}

@@ -207,13 +207,9 @@ def _load(ptrs, mask, other, live, GUARD: tl.constexpr):
     if GUARD == 2:
         live = tl.full(ptrs.shape, 0, tl.int32) < live.to(tl.int32)
     if GUARD:
-        if mask is None:
-            x = tl.load(ptrs, mask=live, other=0)
-        elif other is None:
-            x = tl.load(ptrs, mask=mask & live, other=0)
-        else:
-            x = tl.load(ptrs, mask=mask & live, other=other)
-    elif mask is None:
+        mask = live if mask is None else mask & live
+        other = 0 if other is None else other
+    if mask is None:
         x = tl.load(ptrs)
     else:
         x = tl.load(ptrs, mask=mask, other=other)
@@ -334,28 +330,19 @@ def _soft_cap(s, cap):
 
 
 @jit
-def attend_tile(state, qm, t0, seen, sides, table, h, scales, live, C: tl.constexpr,
-                GUARD: tl.constexpr):
-    """One step of the token loop: the tile of ``W * BLOCK_N`` tokens from ``t0`` (``seen``:
-    the share's end, the last visible token, the rows' positions, the window) folded into the
-    online softmax ``state`` = ``(m, l, acc, v_exp)``. ``sides``: the K and V caches' and side
-    arrays' pointers; ``scales``: the score scale and the soft cap; ``C``: the constexprs.
-    ``GUARD``: a tile that may lie past the share's end (``live`` false), where nothing may be
-    read -- not even the block table's entry of the clamped last token, as a sequence without
-    tokens has none; the state is then left as it is (every score is masked)."""
+def read_keys(t0, seen, sides, table, live, C: tl.constexpr, GUARD: tl.constexpr):
+    """``(t, k, k_cols, v_rows)``: the tokens of the tile of ``W * BLOCK_N`` from ``t0``, their
+    K operand and dynamic scales (:func:`read_tile`) and their V rows. ``seen``: the share's
+    end, the last visible token, the rows' positions, the window; ``sides``: the K and V caches'
+    and side arrays' pointers. ``GUARD``: a tile that may lie past the share's end (``live``
+    false), where nothing may be read -- not even the block table's entry of the clamped last
+    token, as a sequence without tokens has none."""
     CACHE: tl.constexpr = C.cache
     KEY: tl.constexpr = CACHE.KEY
     VALUE: tl.constexpr = CACHE.VALUE
-    FMT: tl.constexpr = CACHE.FMT
-    R_K: tl.constexpr = C.key_read
-    R_V: tl.constexpr = C.value_read
     G: tl.constexpr = C.geometry
     T: tl.constexpr = C.tiles
-    OPT: tl.constexpr = C.options
-    m_i, l_i, acc, v_exp = state
-    key_cache_ptr, value_cache_ptr, key_side_ptr, value_side_ptr = sides
     end, last, pos3, window = seen
-    score_scale, soft_cap = scales
     w = tl.arange(0, T.warps)
     n = tl.arange(0, T.block_n)
     t = t0 + w[:, None] * T.block_n + n[None, :]                 # [W, BLOCK_N]
@@ -368,8 +355,38 @@ def attend_tile(state, qm, t0, seen, sides, table, h, scales, live, C: tl.conste
         v_rows = k_rows
     else:
         v_rows = slot_rows(page, slot, VALUE)
-    k, k_cols = read_tile(key_cache_ptr, key_side_ptr, k_rows, live, R_K, FMT, False, OPT.exact,
-                          GUARD)
+    R_K: tl.constexpr = C.key_read   # (nested constexprs are passed by name)
+    FMT: tl.constexpr = CACHE.FMT
+    EXACT: tl.constexpr = C.options.exact
+    k, k_cols = read_tile(sides[0], sides[2], k_rows, live, R_K, FMT, False, EXACT, GUARD)
+    return t, k, k_cols, v_rows
+
+
+@jit
+def read_values(v_rows, sides, live, C: tl.constexpr, GUARD: tl.constexpr):
+    """``(v, v_cols)``: the V operand of a tile's rows and their dynamic scales."""
+    R_V: tl.constexpr = C.value_read
+    FMT: tl.constexpr = C.cache.FMT
+    EXACT: tl.constexpr = C.options.exact
+    return read_tile(sides[1], sides[3], v_rows, live, R_V, FMT, True, EXACT, GUARD)
+
+
+@jit
+def attend_tile(state, qm, keys, values, seen, sides, scales, live, C: tl.constexpr,
+                GUARD: tl.constexpr):
+    """One step of the token loop: a tile read by :func:`read_keys` (``keys``) folded into the
+    online softmax ``state`` = ``(m, l, acc, v_exp)``; its V operand ``values`` as
+    :func:`read_values` gives it, or None: read here, after the scores (in the pipelined loop
+    Triton issues the loads ahead anyway). ``scales``: the score scale and the soft cap;
+    ``C``: the constexprs. A guarded tile past the share's end leaves the state as it is
+    (every score is masked)."""
+    R_K: tl.constexpr = C.key_read
+    R_V: tl.constexpr = C.value_read
+    OPT: tl.constexpr = C.options
+    m_i, l_i, acc, v_exp = state
+    end, last, pos3, window = seen
+    score_scale, soft_cap = scales
+    t, k, k_cols, v_rows = keys
     if R_K.kind == READ_NVFP4:   # even and odd halves of the head dimension
         s = tl.dot(qm[0], tl.permute(k[0], (0, 2, 1)))
         s = tl.dot(qm[1], tl.permute(k[1], (0, 2, 1)), s)
@@ -391,8 +408,9 @@ def attend_tile(state, qm, t0, seen, sides, table, h, scales, live, C: tl.conste
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(s - m_use[:, :, None])
     l_i = l_i * alpha + tl.reduce(p, 2, _sum_combine)
-    v, v_cols = read_tile(value_cache_ptr, value_side_ptr, v_rows, live, R_V, FMT, True,
-                          OPT.exact, GUARD)
+    if values is None:
+        values = read_values(v_rows, sides, live, C, GUARD)
+    v, v_cols = values
     if R_V.columns != COLUMNS_NONE:
         # Probabilities times the tokens' V scales, in units of 2**v_exp: the largest scale
         # seen so far (a power of two, so the rescaling of acc is exact).
@@ -473,6 +491,31 @@ def _paged_attention_kernel(
     end = tl.minimum(start + share, hi)
     last = tl.maximum(hi - 1, 0)
 
+    table = table_ptr + b.to(tl.int64) * stride_table
+    # Every pointer at this program's kv head (a side array only where the call has one: an
+    # unused pointer may be a compiled-in None).
+    key_cache_ptr += h * KEY.CODES.HEAD
+    value_cache_ptr += h * VALUE.CODES.HEAD
+    if R_K.side:
+        key_side_ptr += h * KEY.SCALES.HEAD
+    if R_V.side:
+        value_side_ptr += h * VALUE.SCALES.HEAD
+    sides = (key_cache_ptr, value_cache_ptr, key_side_ptr, value_side_ptr)
+    seen = (end, last, pos[None, :, None], window)
+    # The first tile before the loop (``peel``): the query's MMA operand then has a user outside
+    # the loop too, so Triton loads it from shared memory once, here, and keeps it in registers
+    # (with one user in the loop it reloads it there every step, and its shared buffer stays
+    # allocated beside the pipeline's). Outside the pipeline nothing issues its loads early:
+    # with ``early_v`` its block-table entries, K and V are all requested before the query is
+    # read and scaled, so that those round trips overlap instead of following each other.
+    GUARD: tl.constexpr = 1 if OPT.pipelined else 2
+    if T.peel:
+        first_keys = read_keys(start, seen, sides, table, start < end, C, GUARD)
+        if T.early_v:
+            first_values = read_values(first_keys[3], sides, start < end, C, GUARD)
+        else:
+            first_values = None
+
     q, unscale = _query_rows(query_ptr, q_first + i, h * G.group + rows % G.group, row_ok, Q,
                              R_K, OPT.exact)
     if R_K.kind == READ_NVFP4:
@@ -493,39 +536,22 @@ def _paged_attention_kernel(
     else:
         acc = tl.full([T.warps, T.block_m, R_V.block_d], 0.0, tl.float32)
     v_exp = 0                                    # 2**v_exp: the unit of acc (dynamic V scales)
-    table = table_ptr + b.to(tl.int64) * stride_table
     state = (m_i, l_i, acc, v_exp)
-    # Every pointer at this program's kv head (a side array only where the call has one: an
-    # unused pointer may be a compiled-in None).
-    key_cache_ptr += h * KEY.CODES.HEAD
-    value_cache_ptr += h * VALUE.CODES.HEAD
-    if R_K.side:
-        key_side_ptr += h * KEY.SCALES.HEAD
-    if R_V.side:
-        value_side_ptr += h * VALUE.SCALES.HEAD
-    sides = (key_cache_ptr, value_cache_ptr, key_side_ptr, value_side_ptr)
-    seen = (end, last, pos[None, :, None], window)
     scales = (score_scale, OPT.cap)
     first = start
     if T.peel:
-        # The first tile before the loop: the query's MMA operand then has a user outside the
-        # loop too, so Triton loads it from shared memory once, here, and keeps it in registers
-        # (with one user in the loop it reloads it there every step, and its shared buffer
-        # stays allocated beside the pipeline's).
-        if OPT.pipelined:
-            state = attend_tile(state, qm, start, seen, sides, table, h, scales, start < end,
-                                C, 1)
-        else:
-            state = attend_tile(state, qm, start, seen, sides, table, h, scales, start < end,
-                                C, 2)
+        state = attend_tile(state, qm, first_keys, first_values, seen, sides, scales,
+                            start < end, C, GUARD)
         first = start + TILE
     if OPT.pipelined:
         for t0 in tl.range(first, end, TILE, num_stages=T.stages):
-            state = attend_tile(state, qm, t0, seen, sides, table, h, scales, True, C, 0)
+            keys = read_keys(t0, seen, sides, table, True, C, 0)
+            state = attend_tile(state, qm, keys, None, seen, sides, scales, True, C, 0)
     else:   # the interpreter takes loop bounds from host scalars only: a while loop there
         t0 = first
         while t0 < end:
-            state = attend_tile(state, qm, t0, seen, sides, table, h, scales, True, C, 0)
+            keys = read_keys(t0, seen, sides, table, True, C, 0)
+            state = attend_tile(state, qm, keys, None, seen, sides, scales, True, C, 0)
             t0 += TILE
     m_i, l_i, acc, v_exp = state
 
