@@ -77,11 +77,9 @@ def run(op: str, named: dict):
     plan = ready.plan
     if plan.empty:
         return out
-    given = dict(named, out=out,
-                 partial_out=torch.empty(plan.partial_out, dtype=torch.float32,
-                                         device=query.device),
-                 partial_stats=torch.empty(plan.partial_stats, dtype=torch.float32,
-                                           device=query.device))
+    workspace = {n: torch.empty(getattr(plan, n), dtype=torch.float32, device=query.device)
+                 for n in entry.workspace}
+    given = dict(named, out=out, **workspace)
     if query.is_cuda and query.device.index != torch.cuda.current_device():
         with torch.cuda.device(query.device):
             ready.run(given)

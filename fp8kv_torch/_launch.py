@@ -1,7 +1,7 @@
 """torch tensors -> core validation -> core plan and operand map -> launch. No decisions here.
 
 Each op takes its arguments by their public names, as the op table (:mod:`fp8kv.optable`)
-declares them, and launches on its arrays in one fixed order derived from it (:data:`ARGUMENTS`);
+declares them, and launches on its arrays in one fixed order derived from it (:func:`_order`);
 the core's operand map (:mod:`fp8kv.operands`) says which of them each kernel pointer takes, so
 this module never says which array is read, written or aliased. One function, :func:`run`,
 serves every op.
@@ -53,7 +53,7 @@ class _Spec:
     C-level getters): its arrays in launch order, the outputs it makes, its options."""
 
     def __init__(self, op):
-        self.names = ARGUMENTS[op.name]
+        self.names = _order(op)
         self.made = _made(op)
         holders = [a for a in op.public(TORCH) if a.parts]
         self.holder = holders[0].name if holders else ""   # out=: the made outputs as one tuple
@@ -67,20 +67,14 @@ class _Spec:
 
     def given(self, named: dict):
         """The call's made outputs as given (a tuple), or None to make them."""
-        if self.holder:
-            out = named[self.holder]
-            return None if out is None else tuple(out)
-        if self.made:
-            out = named[self.made[0]]
-            return None if out is None else (out,)
-        return None
+        out = named[self.holder or self.made[0]] if self.made else None
+        if out is None:
+            return None
+        return tuple(out) if self.holder else (out,)
 
     def result(self, outs):
         """What the torch function returns: ``out=``'s tuple, its one output, or None."""
         return outs if self.holder or outs is None else outs[0]
-
-
-ARGUMENTS = {name: _order(op) for name, op in OPS.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -202,26 +196,10 @@ def clear_launch_caches() -> None:
     _attention.clear()
 
 
-def _remember(op: str, key, args: tuple, options, ready) -> None:
-    """Make ``ready`` the op's last call once its key came twice in a row (a LastCall costs more
-    to make than a key: calls that alternate between signatures keep the key path alone)."""
-    if _PREVIOUS_KEY.get(op) != key:
-        _PREVIOUS_KEY[op] = key
-        return
-    new_count = 0 if ready.new_outputs is None else len(ARGUMENTS[op]) - len(args)
-    last = _fast.LastCall.make(args, options, ready, new_count)
-    if last is None:
-        _LAST.pop(op, None)
-    else:
-        _LAST[op] = last
-
-
 def _cached_launch(op: str, args: tuple, options: tuple):
-    """Serve a call from the op's LastCall or a ready launch: ``(True, outputs or None)``;
-    otherwise ``(False, key)``, the key under which its validated launch is to be kept: None
-    for tensors on a CUDA device other than the current one (they launch under a device guard)
-    or arguments that are not what they should be (validation then says which). ``options``:
-    already :func:`typed`."""
+    """Serve a call from the op's LastCall or a ready launch: ``(True, outputs or None)``; else
+    ``(False, key)``, the key to keep its validated launch under (None where none may serve it:
+    tensors off the current CUDA device, or arguments of a wrong kind)."""
     last = _LAST.get(op)
     if last is not None and (values := last.match(args, options)) is not None:
         outs = None
@@ -244,8 +222,17 @@ def _cached_launch(op: str, args: tuple, options: tuple):
         return False, None
     if ready is None:
         return False, key
-    if _fast.ENABLED:
-        _remember(op, key, args, options, ready)
+    # A key that came twice in a row makes its launch the op's LastCall (which costs more to make
+    # than a key: calls that alternate between signatures keep the key path alone).
+    if _fast.ENABLED and _PREVIOUS_KEY.get(op) != key:
+        _PREVIOUS_KEY[op] = key
+    elif _fast.ENABLED:
+        new_count = 0 if ready.new_outputs is None else len(SPECS[op].made)
+        last = _fast.LastCall.make(args, options, ready, new_count)
+        if last is None:
+            _LAST.pop(op, None)
+        else:
+            _LAST[op] = last
     outs = ready.new_outputs() if ready.new_outputs is not None else None
     ready.launch(args + (outs or ()))
     return True, outs
@@ -354,14 +341,9 @@ def _one_element(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def _empty_maker(shape: tuple, dtype: torch.dtype, device: torch.device, template: bool = True):
-    """``() -> a new contiguous tensor`` of ``shape``, ``dtype`` on ``device``.
-
-    ``torch.empty_like`` of a template parses one argument where ``torch.empty(shape, dtype=,
-    device=)`` parses three. The template is one element expanded to ``shape`` (no memory of its
-    own); it is used only where the tensor it makes has the very shape, strides, dtype and device
-    that ``torch.empty`` gives (checked here, once per signature). ``template=False``: plain
-    ``torch.empty``.
-    """
+    """``() -> a new contiguous tensor`` of ``shape``, ``dtype`` on ``device``: ``torch.empty_like``
+    of one element expanded to ``shape`` (fewer arguments to parse than ``torch.empty``'s) where
+    it makes what ``torch.empty`` makes (checked once per signature), else ``torch.empty``."""
     plain = functools.partial(torch.empty, shape, dtype=dtype, device=device)
     if not template:
         return plain
@@ -376,10 +358,9 @@ def _layout_of(t: torch.Tensor) -> tuple:
 
 
 def _output_maker(outputs: tuple, device: torch.device, templates: bool = True):
-    """``() -> new tensors``, one per ``(shape, dtype)`` of ``outputs`` (an allocating call's, in
-    launch order), each its own allocation, as a tuple display (the least per-call work).
-    ``templates=False``: plain ``torch.empty`` (while torch.compile traces with fake tensors, none
-    of which may be kept)."""
+    """``() -> new tensors``, one per ``(shape, dtype)`` of ``outputs`` (in launch order), as a
+    tuple display (the least per-call work). ``templates=False``: plain ``torch.empty`` (while
+    torch.compile traces with fake tensors, none of which may be kept)."""
     makers = [_empty_maker(shape, dtype, device, templates) for shape, dtype in outputs]
     if len(makers) == 1:
         (a,) = makers
