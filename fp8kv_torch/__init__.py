@@ -226,8 +226,7 @@ def _dequantize_out(op: str, named: dict) -> None:
         return
     outs = named["out"] = tuple(named["out"])
     if len(outs) != len(_OUT_RESULTS[op]):
-        raise ValueError(f"out: expected ({', '.join(_OUT_RESULTS[op])}), got {len(outs)} "
-                         "tensors")
+        raise ValueError(f"out: expected ({', '.join(_OUT_RESULTS[op])}), got {len(outs)} tensors")
     if isinstance(outs[0], torch.Tensor) and outs[0].dtype != dtype:
         raise TypeError(f"out[0]: expected dtype {dtype} (the dtype argument), got {outs[0].dtype}")
 

@@ -6,12 +6,10 @@ the core's operand map (:mod:`fp8kv.operands`) says which of them each kernel po
 this module never says which array is read, written or aliased. One function, :func:`run`,
 serves every op.
 
-Each op keeps its launch ready per call signature (:class:`_ReadyLaunch`), under a key of
-everything validation and the plan read (tensor metadata and 16-byte alignment, every other
-argument with its type); a call that differs in any of them is validated and planned afresh, and
-a call that fails validation is never cached, so it fails the same way every time. A repeat of an
-op's last signature is recognised before the key is built (:mod:`fp8kv_torch._fast`, which
-``FP8KV_FAST=0`` turns off).
+Each op keeps its launch ready per call signature (:class:`_ReadyLaunch`), under a key of all
+that validation and the plan read, so a call that fails validation is never cached and fails the
+same way every time; a repeat of an op's last signature is recognised before the key is built
+(:mod:`fp8kv_torch._fast`, off with ``FP8KV_FAST=0``).
 """
 from __future__ import annotations
 
@@ -129,14 +127,10 @@ def typed(values: tuple) -> tuple:
 
 
 class _ReadyLaunch:
-    """A kernel bound to its grid, scalars and constexprs: one launch per call.
-
-    ``runner``: on CUDA the compiled kernel's launcher (:func:`fp8kv_torch._fast.direct_launcher`
-    or Triton's ``CompiledKernel[grid]``), which skips ``kernel[grid](...)``'s per-call binding
-    and takes pointers as ints; under the interpreter, the interpreted kernel. ``positions``:
-    which of the call's values (its arguments, then an allocating call's new outputs) each kernel
-    array takes.
-    """
+    """A kernel bound to its grid, scalars and constexprs: one launch per call. ``runner``: on
+    CUDA the compiled kernel's launcher (taking pointers as ints), under the interpreter the
+    interpreted kernel; ``positions``: which of the call's values (its arguments, then an
+    allocating call's new outputs) each kernel array takes."""
 
     __slots__ = ("runner", "pointers", "positions", "gather", "scalars", "consts", "select",
                  "new_outputs", "inputs")
@@ -164,11 +158,9 @@ class _ReadyLaunch:
         """A C-level getter: ``values + consts -> the kernel's arguments`` (inputs, scalars,
         outputs, constexprs), for ``values`` of ``count`` items with kernel array ``i`` at
         ``places[i]``."""
-        n = len(places)
-        order = ([places[i] for i in range(self.inputs)]
-                 + [count + j for j in range(self.scalars)]
-                 + [places[i] for i in range(self.inputs, n)]
-                 + [count + j for j in range(self.scalars, len(self.consts))])
+        places, consts = list(places), [count + j for j in range(len(self.consts))]
+        order = (places[:self.inputs] + consts[:self.scalars] + places[self.inputs:]
+                 + consts[self.scalars:])
         return operator.itemgetter(*order)
 
     def launch(self, values: tuple) -> None:
@@ -202,11 +194,8 @@ def _cached_launch(op: str, args: tuple, options: tuple):
     tensors off the current CUDA device, or arguments of a wrong kind)."""
     last = _LAST.get(op)
     if last is not None and (values := last.match(args, options)) is not None:
-        outs = None
-        if last.new_outputs is not None:
-            outs = last.new_outputs()
-            values += last.new_values(outs)
-        last.launch(values)
+        outs = last.new_outputs() if last.new_outputs is not None else None
+        last.launch(values + last.new_values(outs) if outs else values)
         return True, outs
     first = args[0]
     if not isinstance(first, torch.Tensor) or (
@@ -240,9 +229,8 @@ def _cached_launch(op: str, args: tuple, options: tuple):
 
 def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, operands,
             names: tuple, values: tuple, ready_key=None, new_outputs=None) -> None:
-    """Launch through Triton's own entry point; keep it ready under ``ready_key``.
-
-    ``values``: the op's arguments (``names``), then an allocating call's new outputs."""
+    """Launch through Triton's own entry point on ``values`` (the op's arguments, ``names``, then
+    an allocating call's new outputs); keep it ready under ``ready_key``."""
     # Which value each kernel array takes, in the kernel's order; an output the plan never
     # writes takes the first input's tensor (a pointer, never dereferenced).
     inputs = [names.index(o.source) for o in operands.inputs]
@@ -268,9 +256,8 @@ SPECS = {name: _Spec(op) for name, op in OPS.items()}
 
 
 def call(op: str, *args, exact=None, launch=True, **kwargs):
-    """``op`` with its public function's arguments (positional ones in that function's order,
-    its keyword-only ones included; its defaults) and the launcher's own switches, for tests and
-    benchmarks: ``exact`` and ``launch`` as in :func:`run`."""
+    """``op`` called with its public function's arguments (and defaults), plus ``exact`` and
+    ``launch`` as :func:`run` takes them: for tests and benchmarks."""
     import fp8kv_torch
 
     params = inspect.signature(getattr(fp8kv_torch, op)).parameters
