@@ -15,8 +15,7 @@ from typing import Sequence, Union
 try:
     import torch
 except ImportError as e:   # torch is the extra "torch" of fp8kv, not a dependency: say so
-    # (ModuleNotFoundError, an ImportError: what pytest.importorskip and tools expect of a
-    # missing module)
+    # (ModuleNotFoundError: what pytest.importorskip and tools expect of a missing module)
     raise ModuleNotFoundError(f"fp8kv_torch needs PyTorch, which cannot be imported ({e}): "
                               'pip install "fp8kv[torch]"', name="torch") from e
 
@@ -37,30 +36,16 @@ ScaleCache = Union[Tensor, str, None]
 Layer = Union[int, Tensor, None]
 
 
-def _call(op: str, named: dict, prepare=None):
-    """One call of a public function (``named``: its arguments by name): eagerly through the
-    launcher, under torch.compile as the op's custom op. ``prepare(op, named)`` readies
-    op-specific arguments, after the flags are checked."""
-    # Before any cache: 1 or "yes" fails every time.
-    check_flag(named["check_bounds"], "check_bounds")
-    if prepare is not None:
-        prepare(op, named)
-    if torch.compiler.is_compiling():
-        return _ops.call(op, named)
-    return _launch.run(op, named)
-
-
 def _public(op: str, prepare=None):
     """The public function of ``op``: the decorated stub's signature and docstring; a call binds
-    its arguments by name (the positional ones in order, the keywords, then the defaults) and
-    goes to :func:`_call`. Binding by hand rather than with ``locals()``, which torch.compile
-    (Dynamo, torch 2.11) cannot trace; a wrong call raises Python's own ``TypeError``s."""
+    its arguments by name (by hand: torch.compile cannot trace ``locals()``; a wrong call raises
+    Python's own ``TypeError``s), has ``prepare(op, named)`` ready op-specific ones, and runs
+    eagerly through the launcher, under torch.compile as the op's custom op."""
     def wrap(stub):
         params = tuple(inspect.signature(stub).parameters.values())
         positional = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
         names = frozenset(p.name for p in params)
-        defaults = tuple((p.name, p.default) for p in params if p.default is not p.empty)
-        required = tuple(p.name for p in params if p.default is p.empty)
+        defaults = tuple((p.name, p.default) for p in params)   # (a required one's: empty)
         where = f"{stub.__name__}()"
 
         @functools.wraps(stub)
@@ -75,13 +60,18 @@ def _public(op: str, prepare=None):
                 if name in named:
                     raise TypeError(f"{where} got multiple values for argument {name!r}")
                 named[name] = value
-            for name in required:
+            for name, default in defaults:
                 if name not in named:
-                    raise TypeError(f"{where} missing required argument: {name!r}")
-            for name, value in defaults:
-                if name not in named:
-                    named[name] = value
-            return _call(op, named, prepare)
+                    if default is inspect.Parameter.empty:
+                        raise TypeError(f"{where} missing required argument: {name!r}")
+                    named[name] = default
+            # Before any cache: 1 or "yes" fails every time.
+            check_flag(named["check_bounds"], "check_bounds")
+            if prepare is not None:
+                prepare(op, named)
+            if torch.compiler.is_compiling():
+                return _ops.call(op, named)
+            return _launch.run(op, named)
         return call
     return wrap
 
@@ -236,8 +226,7 @@ def _dequantize_out(op: str, named: dict) -> None:
         return
     outs = named["out"] = tuple(named["out"])
     if len(outs) != len(_OUT_RESULTS[op]):
-        raise ValueError(f"out: expected ({', '.join(_OUT_RESULTS[op])}), got {len(outs)} "
-                         "tensors")
+        raise ValueError(f"out: expected ({', '.join(_OUT_RESULTS[op])}), got {len(outs)} tensors")
     if isinstance(outs[0], torch.Tensor) and outs[0].dtype != dtype:
         raise TypeError(f"out[0]: expected dtype {dtype} (the dtype argument), got {outs[0].dtype}")
 
@@ -503,7 +492,6 @@ def rope_write_kv_combined(query: Tensor, key: Tensor, value: Tensor, kv_cache: 
     >>> q.tolist(), kv[1, :, 2, 0].tolist()                     # cos 0, sin 1: (-x2, x1)
     ([[[-2.0, 1.0]]], [[192, 56], [56, 64]])
     """
-
 
 
 @_public("paged_attention")

@@ -1,24 +1,21 @@
 """torch: ``paged_attention``'s launches -- its two kernels and their fp32 workspace.
 
-The other ops launch one kernel each through :func:`fp8kv_torch._launch.run`; this op's plan
-(:func:`fp8kv.attention.plan_attention`) has a second kernel where a call splits its tokens, and
-the partials they hand each other, so ``_launch.run`` hands its calls here. A call's launches are
-kept ready per signature as the other ops' are: everything the checks and the plan read is in the
-key (tensor metadata, every other argument with its type), so a repeat costs a key, a dict
-lookup, the allocations and the launches; a call that fails validation is never kept.
+This op's plan (:func:`fp8kv.attention.plan_attention`) has a second kernel where a call splits
+its tokens, and the partials they hand each other, so :func:`fp8kv_torch._launch.run` hands its
+calls here. Its launches are kept ready per signature as the other ops' are (everything the checks
+and the plan read is in the key; a call that fails validation is never kept).
 """
 from __future__ import annotations
 
 import torch
 
 from fp8kv import ops
-from fp8kv.attention import attention_operands, merge_operands, plan_attention
+from fp8kv.attention import attention_operands, check_out, merge_operands, plan_attention
 from fp8kv.binding import bind
 from fp8kv.optable import OPS
 from fp8kv.plan import INTERPRET
-from fp8kv.validate import frontend_args
 
-from ._launch import _backend, host_values, info, typed
+from ._launch import _backend, info, typed, validate
 
 _READY: dict = {}
 _READY_LIMIT = 1024
@@ -46,12 +43,6 @@ class _Ready:
                      enable_fp_fusion=kernel_plan.enable_fp_fusion, **call.constexprs)
 
 
-def _key(op: str, named: dict, names: tuple):
-    return (op, *[(t.shape, t.stride(), t.dtype, t.get_device())
-                  if isinstance(t, torch.Tensor) else (type(t), t)
-                  for t in (named[n] for n in names)])
-
-
 def run(op: str, named: dict):
     """One call of ``op`` (``paged_attention`` or its combined form): validate, plan, launch;
     returns ``out``. ``named`` as :func:`fp8kv_torch._launch.run` takes it."""
@@ -62,24 +53,15 @@ def run(op: str, named: dict):
     key = ready = None
     if launch and not named["check_bounds"]:
         try:
-            key = _key(op, named, names) + typed((exact,))
+            key = (op, *[(t.shape, t.stride(), t.dtype, t.get_device())
+                         if isinstance(t, torch.Tensor) else (type(t), t)
+                         for t in (named[n] for n in names)], *typed((exact,)))
             ready = _READY.get(key)
         except TypeError:   # unhashable: validation says what is wrong
             key = None
-    if ready is None:
-        args = entry.check(**frontend_args(
-            info, torch.Tensor, {n: named[n] for n in entry.required("torch")},
-            {n: named[n] for n in entry.optional("torch") if n != "out"}),
-            **{n: named[n] for n in entry.options("torch")})
-        if named["check_bounds"]:
-            entry.bounds(args, lambda n: host_values(named[n], n)
-                         if isinstance(named[n], torch.Tensor) else named[n])
-    else:
-        args = ready.args
+    args = validate(entry, named) if ready is None else ready.args
     query = named["query"]
     if out is not None:
-        from fp8kv.attention import check_out
-
         check_out(info(out, "out"), args)
     else:
         out = torch.empty(args.out_shape, dtype=query.dtype, device=query.device)
@@ -95,11 +77,9 @@ def run(op: str, named: dict):
     plan = ready.plan
     if plan.empty:
         return out
-    given = dict(named, out=out,
-                 partial_out=torch.empty(plan.partial_out, dtype=torch.float32,
-                                         device=query.device),
-                 partial_stats=torch.empty(plan.partial_stats, dtype=torch.float32,
-                                           device=query.device))
+    workspace = {n: torch.empty(getattr(plan, n), dtype=torch.float32, device=query.device)
+                 for n in entry.workspace}
+    given = dict(named, out=out, **workspace)
     if query.is_cuda and query.device.index != torch.cuda.current_device():
         with torch.cuda.device(query.device):
             ready.run(given)

@@ -1,19 +1,16 @@
 """Host-cost savings for repeated eager calls, each on an internal that has no public API.
 
-* :class:`LastCall`: a repeat of an op's last signature is recognised by one of torch's tensor
-  guards (``torch._C._dynamo.guards.TensorGuards``: dtype, device, sizes, strides and more of every
-  tensor, checked in C) instead of a metadata key built in Python, and its tensors' pointers go straight into the kernel's arguments.
+* :class:`LastCall`: a repeat of an op's last signature is recognised by torch's tensor guards
+  (``torch._C._dynamo.guards.TensorGuards``, checked in C) instead of a metadata key built in
+  Python, and its tensors' pointers go straight into the kernel's arguments.
 * :func:`direct_launcher`: Triton's compiled launcher called as Triton's own runner
-  (``CompiledKernel[grid]``) calls it, without the runner's per-call Python (current stream,
-  launch metadata and empty hook chains); on Triton 3.6, whose launcher source is pinned here, its
-  C launch function itself.
+  (``CompiledKernel[grid]``) calls it, without the runner's per-call Python; on Triton 3.6, whose
+  launcher source is pinned here, its C launch function itself.
 
-Each is used only where a check made here passes -- a self-test of the guards on this torch, the
-source of this Triton's runner making exactly the call made here, the launcher's source being the
-pinned one -- and otherwise the frontend keeps its public path (a metadata key per call, Triton's
-runner), which is correct, just slower: the same bytes, the same errors. A failed check warns
-once per process (:class:`FastPathWarning`, naming the check). ``FP8KV_FAST=0`` in the
-environment (read at import) turns both off. ``bench/NOTES.md`` has the numbers.
+Each is used only where a check made here passes (a self-test of the guards, the source of
+Triton's runner and launcher); otherwise the public path serves (the same bytes, the same errors,
+just slower), and the failed check warns once per process (:class:`FastPathWarning`).
+``FP8KV_FAST=0`` in the environment (read at import) turns both off.
 """
 from __future__ import annotations
 
@@ -92,14 +89,10 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.curre
 class LastCall:
     """One op's last ready call, matched before any key is built.
 
-    A call matches when it has the same options, argument types and non-tensor arguments (a host
-    scale, None, "inline"); its tensors pass one guard made of the last call's (dtype, device,
-    sizes, strides, ...; the guard also requires them to be distinct objects); a tensor passed at
-    several places last time is passed at the same places again; the current device is still
-    the tensors' device; and every tensor is 16-byte aligned (the compiled kernel depends on it;
-    a call with a misaligned tensor never becomes a LastCall). Its launch then takes the
-    tensors' pointers straight into the kernel's arguments: which operand reads which argument
-    was worked out once, from the op's own operand list.
+    A call matches with the same options, argument types and non-tensor arguments; its distinct
+    tensors passing one guard made of the last call's; a tensor passed at several places last
+    time passed at the same places again; the same current device; and every tensor 16-byte
+    aligned (the compiled kernel depends on it).
     """
 
     __slots__ = ("options", "types", "others_of", "others", "tensors_of", "alias_of", "source_of",
@@ -107,11 +100,8 @@ class LastCall:
 
     @classmethod
     def make(cls, args: tuple, options, ready, new_count: int = 0) -> "LastCall | None":
-        """A LastCall of ``ready`` (a ``_ReadyLaunch``, whose ``positions`` say which of the
-        call's values each kernel array takes: its arguments, then ``new_count`` new outputs of an
-        op that allocates them on each call)."""
-        if not ENABLED:
-            return None
+        """A LastCall of ``ready`` (a ``_ReadyLaunch``) for a call of ``args``, then ``new_count``
+        new outputs where the op allocates them on each call."""
         guard = _tensor_guard()
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if guard is None or not tensors or misaligned(tensors):
@@ -190,10 +180,8 @@ def _runner_matches(compiled_class) -> bool:
 
 
 # Triton 3.6's CudaLauncher.__call__ (whitespace-normalized source): it allocates the kernel's
-# global and profile scratch buffers where the kernel has them, then calls the launcher's C
-# function with the grid, stream, kernel, two launch flags and the two buffers. Where the
-# installed Triton's launcher is exactly this and the kernel has no scratch, direct_launcher
-# makes that C call itself (another Triton's launcher is called as its runner calls it).
+# scratch buffers where it has them, then calls the launcher's C function. Where the installed
+# launcher is exactly this and the kernel has no scratch, direct_launcher makes that call itself.
 _LAUNCHER_SHA256 = "b5e4d84a36af22efc4017e23f5873393dc885ae5ca6077a545182aa971d8d324"
 
 

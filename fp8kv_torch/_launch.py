@@ -1,21 +1,15 @@
 """torch tensors -> core validation -> core plan and operand map -> launch. No decisions here.
 
 Each op takes its arguments by their public names, as the op table (:mod:`fp8kv.optable`)
-declares them, and launches on its arrays in one fixed order derived from it (:data:`ARGUMENTS`);
+declares them, and launches on its arrays in one fixed order derived from it (:func:`_order`);
 the core's operand map (:mod:`fp8kv.operands`) says which of them each kernel pointer takes, so
 this module never says which array is read, written or aliased. One function, :func:`run`,
 serves every op.
 
-An engine repeats the same call signature every step, so each op keeps its launch ready per
-signature (:class:`_ReadyLaunch`): a steady-state call costs a key of its arguments (tensor
-metadata; every other argument with its type), one dict lookup and one launch. Everything that
-validation or the plan read is in the key (shapes, strides, dtypes, devices, 16-byte alignment,
-scale kinds and values, options), so a call that differs in any of them -- a value of another type
-included -- is validated and planned afresh; a call that fails validation is never cached, and
-fails the same way every time. A repeat of an op's last signature (one per layer of a step) is
-recognised before the key is built, by a check in C (:class:`fp8kv_torch._fast.LastCall`), which
-hands the call's pointers straight to the kernel. ``FP8KV_FAST=0`` turns that check and the
-direct launch off (:mod:`fp8kv_torch._fast`).
+Each op keeps its launch ready per call signature (:class:`_ReadyLaunch`), under a key of all
+that validation and the plan read, so a call that fails validation is never cached and fails the
+same way every time; a repeat of an op's last signature is recognised before the key is built
+(:mod:`fp8kv_torch._fast`, off with ``FP8KV_FAST=0``).
 """
 from __future__ import annotations
 
@@ -29,7 +23,6 @@ from fp8kv import ops
 from fp8kv.arrays import ArrayInfo
 from fp8kv.binding import bind, BoundCall
 from fp8kv.dequantize import plan_dequantize
-from fp8kv.operands import OperandMap
 from fp8kv.optable import OPS, TORCH, Role
 from fp8kv.plan import CUDA, INTERPRET, LaunchPlan
 from fp8kv.rope_write import plan_rope_write
@@ -55,10 +48,10 @@ def _made(op) -> tuple[str, ...]:
 
 class _Spec:
     """How one op's launcher reads a call, derived once from the op table (no per-call work but
-    C-level getters): its arrays in launch order, the outputs it makes, what validation takes."""
+    C-level getters): its arrays in launch order, the outputs it makes, its options."""
 
     def __init__(self, op):
-        self.names = ARGUMENTS[op.name]
+        self.names = _order(op)
         self.made = _made(op)
         holders = [a for a in op.public(TORCH) if a.parts]
         self.holder = holders[0].name if holders else ""   # out=: the made outputs as one tuple
@@ -66,27 +59,20 @@ class _Spec:
         self.args_of = getter(self.inputs)
         self.options = op.options(TORCH)
         self.options_of = getter(self.options)
-        self.required, self.optional = op.required(TORCH), op.optional(TORCH)
         last = len(self.made) - 1
         self.labels = {n: f"{self.holder}[{-1 if i == last else i}]"
                        for i, n in enumerate(self.made)}
 
     def given(self, named: dict):
         """The call's made outputs as given (a tuple), or None to make them."""
-        if self.holder:
-            out = named[self.holder]
-            return None if out is None else tuple(out)
-        if self.made:
-            out = named[self.made[0]]
-            return None if out is None else (out,)
-        return None
+        out = named[self.holder or self.made[0]] if self.made else None
+        if out is None:
+            return None
+        return tuple(out) if self.holder else (out,)
 
     def result(self, outs):
         """What the torch function returns: ``out=``'s tuple, its one output, or None."""
         return outs if self.holder or outs is None else outs[0]
-
-
-ARGUMENTS = {name: _order(op) for name, op in OPS.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -113,6 +99,19 @@ def host_values(t: torch.Tensor, name: str):
     return t.detach().cpu().numpy()
 
 
+def validate(entry, named: dict):
+    """The op's validated call (``named``: its arguments by name), bounds-checked on the host with
+    ``check_bounds``. A given ``out`` is checked afterwards, against what the call makes."""
+    options = {n: dtype_name(named[n]) if n == "dtype" else named[n] for n in entry.options(TORCH)}
+    valid = entry.check(**frontend_args(
+        info, torch.Tensor, {n: named[n] for n in entry.required(TORCH)},
+        {n: named[n] for n in entry.optional(TORCH) if n != "out"}), **options)
+    if named["check_bounds"]:
+        entry.bounds(valid, lambda n: host_values(named[n], n)
+                     if isinstance(named[n], torch.Tensor) else named[n])
+    return valid
+
+
 def _backend(t: torch.Tensor, name: str) -> str:
     if t.device.type == "cuda":
         return CUDA
@@ -127,34 +126,18 @@ def typed(values: tuple) -> tuple:
     return tuple(zip(map(type, values), values))
 
 
-def operand_positions(names: tuple, operands: OperandMap) -> tuple[int, ...]:
-    """Which of the op's arguments (``names``) each kernel array takes, in the kernel's order.
-
-    An output the plan never writes takes the first input's tensor (a pointer, never
-    dereferenced)."""
-    inputs = [names.index(o.source) for o in operands.inputs]
-    return tuple(inputs + [names.index(o.source) if o.source is not None else inputs[0]
-                           for o in operands.outputs])
-
-
 class _ReadyLaunch:
-    """A kernel bound to its grid, scalars and constexprs: one launch per call.
-
-    On CUDA ``runner`` is the launcher of the compiled kernel
-    (:func:`fp8kv_torch._fast.direct_launcher`, or ``CompiledKernel[grid]``, the public entry
-    point Triton returns from a launch), which skips ``kernel[grid](...)``'s per-call argument
-    binding and specialization (the bulk of its host time, ``bench/NOTES.md``), and takes
-    pointers as ints; under the interpreter, the interpreted kernel, which takes the tensors.
-    ``positions``: which of the call's values (its arguments, then an allocating call's new
-    outputs) each kernel array takes.
-    """
+    """A kernel bound to its grid, scalars and constexprs: one launch per call. ``runner``: on
+    CUDA the compiled kernel's launcher (taking pointers as ints), under the interpreter the
+    interpreted kernel; ``positions``: which of the call's values (its arguments, then an
+    allocating call's new outputs) each kernel array takes."""
 
     __slots__ = ("runner", "pointers", "positions", "gather", "scalars", "consts", "select",
                  "new_outputs", "inputs")
 
     def __init__(self, kernel, launched, call: BoundCall, plan: LaunchPlan, backend: str,
                  positions: tuple, device: torch.device, new_outputs=None):
-        self.new_outputs = new_outputs  # an allocating call's _NewOutputs
+        self.new_outputs = new_outputs  # an allocating call's maker of them
         self.positions = positions
         self.gather = operator.itemgetter(*positions)
         self.inputs = len(call.inputs)
@@ -172,19 +155,16 @@ class _ReadyLaunch:
         self.select = self.selector(range(len(positions)), len(positions))
 
     def selector(self, places, count: int):
-        """``values + consts -> the kernel's arguments`` (inputs, scalars, outputs, constexprs),
-        for ``values`` of ``count`` items in which kernel array ``i`` is at ``places[i]``: a
-        C-level getter, nothing else per call."""
-        n = len(places)
-        order = ([places[i] for i in range(self.inputs)]
-                 + [count + j for j in range(self.scalars)]
-                 + [places[i] for i in range(self.inputs, n)]
-                 + [count + j for j in range(self.scalars, len(self.consts))])
+        """A C-level getter: ``values + consts -> the kernel's arguments`` (inputs, scalars,
+        outputs, constexprs), for ``values`` of ``count`` items with kernel array ``i`` at
+        ``places[i]``."""
+        places, consts = list(places), [count + j for j in range(len(self.consts))]
+        order = (places[:self.inputs] + consts[:self.scalars] + places[self.inputs:]
+                 + consts[self.scalars:])
         return operator.itemgetter(*order)
 
     def launch(self, values: tuple) -> None:
-        """Launch on the call's values (tensors on the planned device, as the call's validation
-        or key ensured)."""
+        """Launch on the call's values (on the planned device, as validation or the key ensured)."""
         operands = self.gather(values)
         if self.pointers:
             operands = tuple(map(torch.Tensor.data_ptr, operands))
@@ -208,29 +188,19 @@ def clear_launch_caches() -> None:
     _attention.clear()
 
 
-def _remember(op: str, key, args: tuple, options, ready) -> None:
-    """Make ``ready`` the op's last call once its key came twice in a row (a LastCall costs a few
-    us to make: calls that alternate between signatures keep the key path alone)."""
-    if _PREVIOUS_KEY.get(op) != key:
-        _PREVIOUS_KEY[op] = key
-        return
-    new_count = 0 if ready.new_outputs is None else len(ARGUMENTS[op]) - len(args)
-    last = _fast.LastCall.make(args, options, ready, new_count)
-    if last is None:
-        _LAST.pop(op, None)
-    else:
-        _LAST[op] = last
-
-
-def _find_ready(op: str, args: tuple, options: tuple):
-    """``(key, ready launch or None)`` for a call that no LastCall served; key None where no
-    ready launch may serve it: tensors on a CUDA device other than the current one (they launch
-    under a device guard), or arguments that are not what they should be (validation then says
-    which). ``options``: already :func:`typed`."""
+def _cached_launch(op: str, args: tuple, options: tuple):
+    """Serve a call from the op's LastCall or a ready launch: ``(True, outputs or None)``; else
+    ``(False, key)``, the key to keep its validated launch under (None where none may serve it:
+    tensors off the current CUDA device, or arguments of a wrong kind)."""
+    last = _LAST.get(op)
+    if last is not None and (values := last.match(args, options)) is not None:
+        outs = last.new_outputs() if last.new_outputs is not None else None
+        last.launch(values + last.new_values(outs) if outs else values)
+        return True, outs
     first = args[0]
     if not isinstance(first, torch.Tensor) or (
             first.is_cuda and first.get_device() != torch.cuda.current_device()):
-        return None, None
+        return False, None
     # Per tensor: what validation and the plan read of it; anything else (None, a host scale,
     # "inline") with its type -- its value is part of the plan.
     key = (op, options, *[(t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
@@ -238,18 +208,34 @@ def _find_ready(op: str, args: tuple, options: tuple):
     try:
         ready = _READY.get(key)
     except TypeError:  # unhashable: not a tensor or a number
-        return None, None
-    if ready is not None and _fast.ENABLED:
-        _remember(op, key, args, options, ready)
-    return key, ready
+        return False, None
+    if ready is None:
+        return False, key
+    # A key that came twice in a row makes its launch the op's LastCall (which costs more to make
+    # than a key: calls that alternate between signatures keep the key path alone).
+    if _fast.ENABLED and _PREVIOUS_KEY.get(op) != key:
+        _PREVIOUS_KEY[op] = key
+    elif _fast.ENABLED:
+        new_count = 0 if ready.new_outputs is None else len(SPECS[op].made)
+        last = _fast.LastCall.make(args, options, ready, new_count)
+        if last is None:
+            _LAST.pop(op, None)
+        else:
+            _LAST[op] = last
+    outs = ready.new_outputs() if ready.new_outputs is not None else None
+    ready.launch(args + (outs or ()))
+    return True, outs
 
 
-def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, operands: OperandMap,
+def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, operands,
             names: tuple, values: tuple, ready_key=None, new_outputs=None) -> None:
-    """Launch through Triton's own entry point; keep it ready under ``ready_key``.
-
-    ``values``: the op's arguments (``names``), then an allocating call's new outputs."""
-    positions = operand_positions(names, operands)
+    """Launch through Triton's own entry point on ``values`` (the op's arguments, ``names``, then
+    an allocating call's new outputs); keep it ready under ``ready_key``."""
+    # Which value each kernel array takes, in the kernel's order; an output the plan never
+    # writes takes the first input's tensor (a pointer, never dereferenced).
+    inputs = [names.index(o.source) for o in operands.inputs]
+    positions = tuple(inputs + [names.index(o.source) if o.source is not None else inputs[0]
+                                for o in operands.outputs])
     call = bind(kernel, plan, {o.param: values[p] for o, p in zip(operands.params, positions)})
     launch = ops.kernel_for(kernel, backend == INTERPRET)[plan.grid]
     options = dict(num_warps=plan.num_warps, enable_fp_fusion=plan.enable_fp_fusion)
@@ -266,32 +252,12 @@ def _launch(kernel, plan: LaunchPlan, backend: str, device: torch.device, operan
         _PREVIOUS_KEY[ready_key[0]] = ready_key   # a repeat may make it the op's LastCall
 
 
-def _cached_launch(op: str, args: tuple, options: tuple):
-    """Serve a call from the op's LastCall or a ready launch: ``(True, outputs or None)``;
-    otherwise ``(False, key)``, the key under which the validated launch is to be kept."""
-    last = _LAST.get(op)
-    if last is not None and (values := last.match(args, options)) is not None:
-        outs = None
-        if last.new_outputs is not None:
-            outs = last.new_outputs.make()
-            values += last.new_values(outs)
-        last.launch(values)
-        return True, outs
-    key, ready = _find_ready(op, args, options)
-    if ready is None:
-        return False, key
-    outs = ready.new_outputs.make() if ready.new_outputs is not None else None
-    ready.launch(args + (outs or ()))
-    return True, outs
-
-
 SPECS = {name: _Spec(op) for name, op in OPS.items()}
 
 
 def call(op: str, *args, exact=None, launch=True, **kwargs):
-    """``op`` with its public function's arguments (positional ones in that function's order,
-    its keyword-only ones included; its defaults) and the launcher's own switches, for tests and
-    benchmarks: ``exact`` and ``launch`` as in :func:`run`."""
+    """``op`` called with its public function's arguments (and defaults), plus ``exact`` and
+    ``launch`` as :func:`run` takes them: for tests and benchmarks."""
     import fp8kv_torch
 
     params = inspect.signature(getattr(fp8kv_torch, op)).parameters
@@ -299,11 +265,6 @@ def call(op: str, *args, exact=None, launch=True, **kwargs):
     named.update(zip(params, args))
     named.update(kwargs, exact=exact, launch=launch)
     return run(op, named)
-
-
-def _host(value, name: str):
-    """An argument's values on the host, for ``check_bounds`` (a number as it is)."""
-    return host_values(value, name) if isinstance(value, torch.Tensor) else value
 
 
 def run(op: str, named: dict):
@@ -317,35 +278,28 @@ def run(op: str, named: dict):
         return _attention.run(op, named)
     spec = SPECS[op]
     launch, exact = named.get("launch", True), named.get("exact")
-    check_bounds = named["check_bounds"]
     # (torch.compile traces a launch=False call, and cannot trace an itemgetter.)
     args = spec.args_of(named) if launch else tuple(named[n] for n in spec.inputs)
-    outs = spec.given(named) if spec.made else None
+    outs = spec.given(named)
     allocating = outs is None and bool(spec.made)
     ready_key = None
-    if launch and exact is None and not check_bounds:
+    if launch and exact is None and not named["check_bounds"]:
         options = spec.options_of(named)
         served, result = _cached_launch(op, args + outs if outs else args,
                                         typed(options + (allocating,) if spec.made else options))
         if served:
-            return spec.result(outs or result) if spec.made else None
+            return spec.result(outs or result)
         ready_key = result
     entry = OPS[op]
-    options = {n: named[n] for n in spec.options}
-    if "dtype" in options:
-        options["dtype"] = dtype_name(options["dtype"])
-    valid = entry.check(**frontend_args(info, torch.Tensor, {n: named[n] for n in spec.required},
-                                        {n: named[n] for n in spec.optional}), **options)
-    if check_bounds:
-        entry.bounds(valid, lambda name: _host(named[name], name))
+    valid = validate(entry, named)
     first = args[0]
     made = entry.made(valid) if spec.made else {}
     new_outputs = None
     if allocating:
         shapes = tuple((tuple(made[n][0]), getattr(torch, made[n][1])) for n in spec.made)
         new_outputs = (_new_outputs(shapes, first.device) if launch
-                       else _NewOutputs(shapes, first.device, templates=False))
-        outs = new_outputs.make()
+                       else _output_maker(shapes, first.device, templates=False))
+        outs = new_outputs()
     out_info = {}
     if spec.holder:   # out=: each output as the call would make it
         for name, out in zip(spec.made, outs):
@@ -368,22 +322,15 @@ def run(op: str, named: dict):
     return spec.result(outs)
 
 
-
-
 @functools.cache
 def _one_element(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty((), dtype=dtype, device=device)
 
 
 def _empty_maker(shape: tuple, dtype: torch.dtype, device: torch.device, template: bool = True):
-    """``() -> a new contiguous tensor`` of ``shape``, ``dtype`` on ``device``.
-
-    ``torch.empty_like`` of a template parses one argument where ``torch.empty(shape, dtype=,
-    device=)`` parses three, which saves host time per tensor (``bench/NOTES.md``). The
-    template is one element expanded to ``shape`` (no memory of its own); it is used only where
-    the tensor it makes has the very shape, strides, dtype and device that ``torch.empty`` gives
-    (checked here, once per signature). ``template=False``: plain ``torch.empty``.
-    """
+    """``() -> a new contiguous tensor`` of ``shape``, ``dtype`` on ``device``: ``torch.empty_like``
+    of one element expanded to ``shape`` (fewer arguments to parse than ``torch.empty``'s) where
+    it makes what ``torch.empty`` makes (checked once per signature), else ``torch.empty``."""
     plain = functools.partial(torch.empty, shape, dtype=dtype, device=device)
     if not template:
         return plain
@@ -397,22 +344,11 @@ def _layout_of(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device, t.requires_grad
 
 
-class _NewOutputs:
-    """An allocating call's outputs for one signature: ``make()`` returns new tensors, one per
-    ``(shape, dtype)`` of ``outputs`` (the op's made outputs, in launch order), each its own
-    allocation. ``templates=False``: plain ``torch.empty`` (while torch.compile traces with fake
-    tensors, none of which may be kept)."""
-
-    __slots__ = ("make",)
-
-    def __init__(self, outputs: tuple, device: torch.device, templates: bool = True):
-        self.make = _each(tuple(_empty_maker(shape, dtype, device, templates)
-                                for shape, dtype in outputs))
-
-
-def _each(makers: tuple):
-    """``() -> (each maker's tensor, ...)``: a tuple display (the least per-call work) for the
-    one to three outputs an op makes."""
+def _output_maker(outputs: tuple, device: torch.device, templates: bool = True):
+    """``() -> new tensors``, one per ``(shape, dtype)`` of ``outputs`` (in launch order), as a
+    tuple display (the least per-call work). ``templates=False``: plain ``torch.empty`` (while
+    torch.compile traces with fake tensors, none of which may be kept)."""
+    makers = [_empty_maker(shape, dtype, device, templates) for shape, dtype in outputs]
     if len(makers) == 1:
         (a,) = makers
         return lambda: (a(),)
@@ -424,8 +360,4 @@ def _each(makers: tuple):
 
 
 # Per signature; bounded like _READY, whose launches keep theirs.
-_new_outputs = functools.lru_cache(maxsize=256)(_NewOutputs)
-
-
-
-
+_new_outputs = functools.lru_cache(maxsize=256)(_output_maker)

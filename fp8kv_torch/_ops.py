@@ -1,17 +1,15 @@
 """torch.library custom ops: what torch.compile sees. Eager calls skip the dispatcher.
 
-One op per public function (``fp8kv::write_kv``, ``fp8kv::write_kv_combined``,
-``fp8kv::dequantize_pages``, ``fp8kv::dequantize_pages_combined``, ``fp8kv::rope_write_kv``,
-``fp8kv::rope_write_kv_combined``): a combined cache is its own op with its own argument, never a
-missing one. Each op's schema is its public function's arguments in the op table's order
-(:mod:`fp8kv.optable`), with what a schema cannot type split in two: a scale (``float |
-Tensor``) into ``NAME: Tensor?`` and ``NAME_value: float?``, a scale cache (``Tensor |
-"inline"``) into ``NAME: Tensor?`` and ``NAME_inline: bool``, ``layer`` (``int | Tensor``) into
-``layer: int?`` and ``layer_tensor: Tensor?`` -- a run of such arguments gives all its first
-halves, then all its second ones. ``out=`` is its outputs, one tensor each; ``check_bounds`` (the
-frontend refuses it under torch.compile) and ``dtype`` (the outputs' dtype) are not arguments. The
-arrays a call writes (caches and scale caches updated in place, outputs) are declared mutated;
-with ``layer=`` the stacked caches, as a whole.
+One op per public function (``fp8kv::write_kv``, ``fp8kv::write_kv_combined``, ...): a combined
+cache is its own op with its own argument, never a missing one. Each op's schema is its public
+function's arguments in the op table's order (:mod:`fp8kv.optable`), with what a schema cannot
+type split in two: a scale (``float | Tensor``) into ``NAME: Tensor?`` and ``NAME_value:
+float?``, a scale cache (``Tensor | "inline"``) into ``NAME: Tensor?`` and ``NAME_inline: bool``,
+``layer`` (``int | Tensor``) into ``layer: int?`` and ``layer_tensor: Tensor?`` -- a run of such
+arguments gives all its first halves, then all its second ones. ``out=`` is its outputs, one
+tensor each; ``check_bounds`` (the frontend refuses it under torch.compile) and ``dtype`` (the
+outputs' dtype) are not arguments. The arrays a call writes (caches and scale caches updated in
+place, outputs) are declared mutated; with ``layer=`` the stacked caches, as a whole.
 
 No defaults in the schemas: torch (2.11) drops trailing default arguments when it redispatches,
 and then cannot find a mutated one by position. Every caller passes every argument.
@@ -102,8 +100,7 @@ class Schema:
             if a.role not in _HALVES:
                 named[a.name] = by_param[name]
             elif h == 1:
-                named[a.name] = _HALVES[a.role][1](by_param[_half_name(a, 0)],
-                                                   by_param[name])
+                named[a.name] = _HALVES[a.role][1](by_param[_half_name(a, 0)], by_param[name])
         return named
 
 
@@ -126,17 +123,12 @@ def _implementation(schema: Schema, launch: bool):
     return implementation
 
 
-def _custom_op(op):
-    schema = Schema(op)
-    custom = torch.library.custom_op(f"fp8kv::{op.name}", mutates_args=schema.mutated)(
-        _implementation(schema, launch=True))
-    custom.register_fake(_implementation(schema, launch=False))
-    return schema, custom
-
-
 SCHEMAS, CUSTOM_OPS = {}, {}
 for _name, _op in OPS.items():
-    SCHEMAS[_name], CUSTOM_OPS[_name] = _custom_op(_op)
+    _schema = SCHEMAS[_name] = Schema(_op)
+    CUSTOM_OPS[_name] = torch.library.custom_op(f"fp8kv::{_name}", mutates_args=_schema.mutated)(
+        _implementation(_schema, launch=True))
+    CUSTOM_OPS[_name].register_fake(_implementation(_schema, launch=False))
 write_kv_op, dequantize_pages_op = CUSTOM_OPS["write_kv"], CUSTOM_OPS["dequantize_pages"]
 
 
