@@ -140,8 +140,7 @@ def scale_cache(info: ArrayInfo, layout: str, rank: int) -> ScaleCache:
 
 def inline_data(cache: PagedCache, head_dim: int) -> PagedCache:
     """An inline-scale cache as pages of its data: rows of ``head_dim`` codes, the scale after."""
-    return PagedCache(cache.num_pages, cache.page_size, cache.num_heads, head_dim,
-                      cache.stride_page, cache.stride_slot, cache.stride_head, cache.offset)
+    return replace(cache, head_dim=head_dim)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 
 from .formats import (CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, E4M3, FORMATS, FP8_OUTPUT_DTYPE,
                       MXFP8, NVFP4, Format, resolve_format)
-from .validate import (INLINE, SCALE_ROUNDINGS, check_choice, check_inline_pad,
+from .validate import (INLINE, ROPE_STYLES, SCALE_ROUNDINGS, check_choice, check_inline_pad,
                        check_no_static_scale, check_scale_cache_arg)
 
 _NP_DTYPES = {
@@ -381,9 +381,6 @@ def _renumbered_table(table):
 
 # ---------------------------------------------------------------------------------------------
 # RoPE + write (docs/SPEC.md, section 12).
-
-ROPE_STYLES = ("neox", "gptj")
-
 
 def rope_pairs(head_dim: int, rotary_dim: int, rope_style: str) -> tuple[np.ndarray, np.ndarray]:
     """The element indices ``(a, b)`` of each rotated pair ``i < rotary_dim / 2``: ``neox``

@@ -29,18 +29,14 @@ from .modes import OUT_KIND_OF_DTYPE, Division, ScaleKind, SideScale
 from .operands import Operand, OperandMap, caches_of, scale_input
 from .optable import (CHECK_BOUNDS, FP8_FORMAT, JAX, KEY_VALUE, LAYOUT, SCALE_ROUNDING, SLOTS,
                       TORCH, Arg, Op, Role, caches, from_shapes, option, scales, sides)
-from .plan import CUDA, INT32_REACH, INTERPRET, LaunchPlan, cache_record, exact_for, token_rows
-from .validate import (check_choice, check_contiguous, check_dtype, check_nonnegative_strides,
-                       check_out, check_same_device, check_scale, check_slots_in_range,
-                       check_unit_last_stride)
+from .plan import (CUDA, INT32_REACH, INTERPRET, LaunchPlan, cache_record, exact_for, kv_reach,
+                   token_rows)
+from .validate import (ROPE_STYLES, check_choice, check_contiguous, check_dtype,
+                       check_nonnegative_strides, check_out, check_same_device, check_scale,
+                       check_slots_in_range, check_unit_last_stride, named_caches)
 from .write import WRITE_PLACEHOLDER, WriteArgs, check_write, write_operands
 
-ROPE_STYLES = ("neox", "gptj")
-
-
 COS_SIN_DTYPES = ("float32", "bfloat16", "float16")
-
-
 QUERY_FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "uint8")
 
 
@@ -129,11 +125,9 @@ def check_rope_write(query, key, value, key_cache=None, value_cache=None, slots=
     (JAX). ``query_out`` None: the frontend makes one of the dtype found here.
     """
     style = check_choice(rope_style, "rope_style", ROPE_STYLES)
-    named = {"query": query, "key": key, "value": value}
-    named.update({"kv_cache": kv_cache} if kv_cache is not None
-                 else {"key_cache": key_cache, "value_cache": value_cache})
-    named.update(slots=slots, positions=positions, cos_sin_cache=cos_sin_cache)
-    device = check_same_device(named)
+    device = check_same_device({"query": query, "key": key, "value": value,
+                                **named_caches(key_cache, value_cache, kv_cache), "slots": slots,
+                                "positions": positions, "cos_sin_cache": cos_sin_cache})
     check_dtype(query, "query", INPUT_DTYPES)
     if query.ndim != 3:
         raise ValueError(f"query: expected rank 3 [num_tokens, num_heads, head_dim], got shape "
@@ -281,14 +275,7 @@ def rope_offsets_64(args: RopeWriteArgs, tokens: int, block_heads: int, block_co
     arrays = [w.key, w.value, args.query, args.query_out] + (
         [args.key_out] if args.key_out is not None else [])
     reach = [(tokens - 1) * x.strides[0] + heads * x.strides[1] + cols for x in arrays]
-    for cache in (w.key_cache, w.value_cache):
-        reach.append(cache.offset + (cache.num_pages - 1) * cache.stride_page
-                     + (cache.page_size - 1) * cache.stride_slot + heads * cache.stride_head
-                     + cols)
-    for sc in (w.key_scale.stored, w.value_scale.stored):
-        if sc is not None:
-            reach.append((kc.num_pages - 1) * sc.stride_page + (kc.page_size - 1) * sc.stride_slot
-                         + heads * sc.stride_head)
+    reach += kv_reach(w, heads, cols)
     cs = args.cos_sin_cache
     reach.append((args.max_position - 1) * cs.strides[0] + cols)
     return max(reach) > INT32_REACH
