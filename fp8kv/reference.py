@@ -210,9 +210,8 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
     if layer is not None:
         return write_kv_layer(layer, key, value, key_cache, value_cache, slots, key_scale,
                               value_scale, layout=layout, fp8_format=fp8_format,
-                              key_scale_cache=key_scale_cache,
-                              value_scale_cache=value_scale_cache, scale_rounding=scale_rounding,
-                              cache_format=cache_format)
+                              key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache,
+                              scale_rounding=scale_rounding, cache_format=cache_format)
     fp8_format = cache_format or fp8_format
     slots = np.asarray(slots).astype(np.int64)
     out, scale_out = [], []

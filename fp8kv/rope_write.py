@@ -32,7 +32,7 @@ from .optable import (CHECK_BOUNDS, FP8_FORMAT, JAX, KEY_VALUE, LAYOUT, SCALE_RO
 from .plan import (CUDA, INT32_REACH, INTERPRET, LaunchPlan, cache_record, exact_for, kv_reach,
                    token_rows)
 from .validate import (ROPE_STYLES, check_choice, check_contiguous, check_dtype,
-                       check_nonnegative_strides, check_out, check_same_device, check_scale,
+                       check_nonnegative_strides, check_out, check_same_device, check_scalar_scale,
                        check_slots_in_range, check_unit_last_stride, named_caches)
 from .write import WRITE_PLACEHOLDER, WriteArgs, check_write, write_operands
 
@@ -96,17 +96,6 @@ def check_rotary_dim(rotary_dim, cos_sin_cache: ArrayInfo, head_dim: int) -> int
     return width
 
 
-def check_query_scale(query_scale, device: str) -> SideScale:
-    """None, a Python number or a float32 array ``[]`` / ``[1]`` (one scale for every query
-    element)."""
-    if isinstance(query_scale, ArrayInfo):
-        check_dtype(query_scale, "query_scale", ("float32",))
-        if query_scale.shape not in ((), (1,)):
-            raise ValueError(f"query_scale: expected shape [] or [1], got "
-                             f"{fmt_shape(query_scale.shape)}")
-    return check_scale(query_scale, "query_scale", 1, device)
-
-
 def _check_output(out, name: str, shape, dtypes, device: str, array_type: type) -> None:
     if not isinstance(out, array_type):
         raise TypeError(f"{name}: expected None or an array, got {type(out).__name__}")
@@ -166,7 +155,7 @@ def check_rope_write(query, key, value, key_cache=None, value_cache=None, slots=
     check_unit_last_stride(cos_sin_cache, "cos_sin_cache")
     check_nonnegative_strides(cos_sin_cache, "cos_sin_cache")
     rotary = check_rotary_dim(rotary_dim, cos_sin_cache, head_dim)
-    qs = check_query_scale(query_scale, device)
+    qs = check_scalar_scale(query_scale, "query_scale", device)
     fp8 = query_scale is not None
     array_type = type(query)
     if query_out is None:
@@ -238,16 +227,15 @@ ROPE_SIZES = {
                tiny_fp8q_reciprocal_div=Division.FP64),
     INTERPRET: dict(block_t=0, kv_heads_per_program=0, q_tile=1 << 16, fp8q_q_tile=1 << 16,
                     v_tile=1 << 16, num_warps=1, reciprocal_div=Division.DIV_RN,
-                    fp8q_reciprocal_div=Division.DIV_RN,
-                    small_batch_tokens=0, small_block_t=0, small_kv_heads_per_program=0,
-                    small_q_tile=1 << 16, small_fp8q_q_tile=1 << 16, small_batch_warps=1,
-                    small_reciprocal_div=Division.DIV_RN,
-                    small_fp8q_reciprocal_div=Division.DIV_RN,
+                    fp8q_reciprocal_div=Division.DIV_RN, small_batch_tokens=0, small_block_t=0,
+                    small_kv_heads_per_program=0, small_q_tile=1 << 16,
+                    small_fp8q_q_tile=1 << 16, small_batch_warps=1,
+                    small_reciprocal_div=Division.DIV_RN, small_fp8q_reciprocal_div=Division.DIV_RN,
                     tiny_batch_tokens=0, tiny_batch_tokens_dynamic=0, tiny_batch_tokens_fp8q=0,
                     tiny_block_t=0, tiny_kv_heads_per_program=0, tiny_q_tile=1 << 16,
                     tiny_fp8q_q_tile=1 << 16, tiny_batch_warps=1,
-                    tiny_reciprocal_div=Division.DIV_RN,
-                    tiny_fp8q_reciprocal_div=Division.DIV_RN, tile=1 << 16),
+                    tiny_reciprocal_div=Division.DIV_RN, tiny_fp8q_reciprocal_div=Division.DIV_RN,
+                    tile=1 << 16),
 }
 
 

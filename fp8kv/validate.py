@@ -313,10 +313,15 @@ def check_out_scale(out_scale, out_dtype: str, device: str) -> SideScale:
                          f"the FP8 output), got "
                          f"{'an array' if isinstance(out_scale, ArrayInfo) else repr(out_scale)} "
                          f"with dtype {out_dtype}")
-    if isinstance(out_scale, ArrayInfo) and out_scale.shape not in ((), (1,)):
-        check_dtype(out_scale, "out_scale", ("float32",))
-        raise ValueError(f"out_scale: expected shape [] or [1], got {fmt_shape(out_scale.shape)}")
-    return check_scale(out_scale, "out_scale", 1, device)
+    return check_scalar_scale(out_scale, "out_scale", device)
+
+
+def check_scalar_scale(scale, name: str, device: str) -> SideScale:
+    """One scale for every element: None, a Python number or a float32 array ``[]`` / ``[1]``."""
+    if isinstance(scale, ArrayInfo) and scale.shape not in ((), (1,)):
+        check_dtype(scale, name, ("float32",))
+        raise ValueError(f"{name}: expected shape [] or [1], got {fmt_shape(scale.shape)}")
+    return check_scale(scale, name, 1, device)
 
 
 def side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc, layout, rank,

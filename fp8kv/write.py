@@ -117,16 +117,13 @@ def write_bounds(args, read) -> None:
 
 
 # Elements per program (per K or V) and warps, per backend (bench/NOTES.md has the measurements
-# behind each entry). The interpreter runs one program at a time, slowly, so it gets big
-# tiles. Large batches take `num_warps` (one 16-byte load of K and one of V per thread, many
-# programs per SM), smaller ones more warps (more memory requests in flight, shorter dependency
-# chains per thread): batches of up to `small_batch_elems` row elements use
-# `small_batch_warps`, and static-scale ones of up to `decode_batch_elems`
-# `decode_batch_warps`.
-# reciprocal_div (a fp8kv.modes.Division): how small batches divide by a per-tensor scale --
-# DIV_RN: div.rn per element; FMA: one fp32 reciprocal and two FMA corrections per element
-# (codec.divide_by_scalar); FP64: one fp64 reciprocal and an fp64 product per element
-# (codec.divide_fp64); all exact. Large batches divide with div.rn.
+# behind each entry). The interpreter runs one program at a time, slowly, so it gets big tiles.
+# Large batches take `num_warps` (one 16-byte load of K and one of V per thread, many programs
+# per SM), smaller ones more warps (more memory requests in flight, shorter dependency chains per
+# thread): batches of up to `small_batch_elems` row elements use `small_batch_warps`, and
+# static-scale ones of up to `decode_batch_elems` `decode_batch_warps`.
+# reciprocal_div (a fp8kv.modes.Division, exact either way): how small batches divide by a
+# per-tensor scale; large batches divide with div.rn.
 # loads_first_elems: per-token-head writes load both sides' tiles before the first amax when a
 # tile has at most this many elements; larger tiles (register pressure) and per-token scales run
 # one side after the other. The interpreter takes both orders (per-token-head / per-token).
@@ -158,8 +155,7 @@ WRITE_SIZES = {
 # amax a two-thread reduction) instead of whole groups per thread. loads_first: both sides' loads
 # before the first amax. dequantize: output elements per program (block) and warps; lookup: an
 # FP8 output by a per-block table (ops/dequantize_nvfp4.py _lookup_side), where the arrays allow
-# its 4-byte words, with lookup_block output elements per program. bench/nvfp4.py times the
-# variants.
+# its 4-byte words, with lookup_block output elements per program.
 NVFP4_WRITE_SIZES = {
     CUDA: dict(tile=1024, num_warps=1, small_tile=1024, small_batch_warps=4,
                small_batch_elems=1 << 18, loads_first=True, small_blockwise=True),
