@@ -23,10 +23,10 @@ from .operands import (Operand, OperandMap, block_operands, caches_of, layer_inp
 from .optable import (CACHE_FORMAT, CHECK_BOUNDS, FP8_FORMAT, LAYER, LAYOUT, TORCH, Arg, Op, Role,
                       caches, option, scales, sides)
 from .plan import CUDA, INTERPRET, LaunchPlan, cache_record, exact_for, kv_scalars, strides
-from .validate import (INLINE, block_side_scales, check_block_head_dim, check_caches, check_choice,
-                       check_dtype, check_inline, check_layers_supported, check_out_scale,
-                       check_same_device, check_scale_cache_arg, check_stack_bounds, named_caches,
-                       side_scales, unstack)
+from .validate import (INLINE, check_block_head_dim, check_caches, check_choice, check_dtype,
+                       check_inline, check_layers_supported, check_out_scale, check_same_device,
+                       check_scale_cache_arg, check_stack_bounds, named_caches, side_scales,
+                       unstack)
 
 
 @dataclass(frozen=True)
@@ -105,12 +105,8 @@ def check_dequantize(key_cache=None, value_cache=None, block_table=None, key_sca
                          f"{fmt_shape(block_table.shape)}")
     if null_page is not None and (isinstance(null_page, bool) or not isinstance(null_page, int)):
         raise TypeError(f"null_page: expected None or an int, got {type(null_page).__name__}")
-    if fmt.block_scaled:
-        ks, vs = block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
-                                    kc, vc, layout, rank, device, kc.num_heads, fmt)
-    else:
-        ks, vs = side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
-                              layout, rank, device, kc.num_heads)
+    ks, vs = side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
+                         layout, rank, device, kc.num_heads, fmt)
     os = check_out_scale(out_scale, dtype, device)
     batch, pages_per_seq = block_table.shape
     return DequantArgs(batch, pages_per_seq, block_table, kc, vc, fmt, dtype, layout, rank,
@@ -259,33 +255,19 @@ def dequantize_operands(args) -> OperandMap:
     """``_dequantize_pages_kernel``'s arrays for a validated
     :class:`fp8kv.dequantize.DequantArgs` (a combined cache gives a combined output;
     ``_dequantize_nvfp4_kernel``'s for a packed format)."""
-    if args.fmt.packed:
-        return dequantize_nvfp4_operands(args)
     kc, vc = caches_of(args.combined)
     inputs = (Operand("key_cache_ptr", kc), Operand("value_cache_ptr", vc),
-              Operand("table_ptr", "block_table"),
-              scale_input("key", args.key_scale, DEQUANTIZE_PLACEHOLDER),
-              scale_input("value", args.value_scale, DEQUANTIZE_PLACEHOLDER),
-              layer_input(args, DEQUANTIZE_PLACEHOLDER))
-    if args.combined:
-        pages = (Operand("key_out_ptr", "kv_out"), Operand("value_out_ptr", None, used=False))
+              Operand("table_ptr", "block_table"))
+    if args.fmt.packed:   # global scales, block scales, the FP8 output's scale
+        out_scale = (Operand("out_scale_ptr", "out_scale") if args.out_scale.kind.on_device
+                     else Operand("out_scale_ptr", DEQUANTIZE_PLACEHOLDER, used=False))
+        inputs += (static_input("key", args.key_scale, DEQUANTIZE_PLACEHOLDER),
+                   static_input("value", args.value_scale, DEQUANTIZE_PLACEHOLDER),
+                   *block_operands()[0], out_scale)
     else:
-        pages = (Operand("key_out_ptr", "key_out"), Operand("value_out_ptr", "value_out"))
-    return OperandMap(inputs, pages + (Operand("new_table_ptr", "table_out"),))
-
-
-def dequantize_nvfp4_operands(args) -> OperandMap:
-    """``_dequantize_nvfp4_kernel``'s arrays: global scales, block scales, the FP8 output's
-    scale."""
-    kc, vc = caches_of(args.combined)
-    blocks_in, _ = block_operands()
-    out_scale = (Operand("out_scale_ptr", "out_scale") if args.out_scale.kind.on_device
-                 else Operand("out_scale_ptr", DEQUANTIZE_PLACEHOLDER, used=False))
-    inputs = (Operand("key_cache_ptr", kc), Operand("value_cache_ptr", vc),
-              Operand("table_ptr", "block_table"),
-              static_input("key", args.key_scale, DEQUANTIZE_PLACEHOLDER),
-              static_input("value", args.value_scale, DEQUANTIZE_PLACEHOLDER)) + blocks_in + (
-              out_scale,)
+        inputs += (scale_input("key", args.key_scale, DEQUANTIZE_PLACEHOLDER),
+                   scale_input("value", args.value_scale, DEQUANTIZE_PLACEHOLDER),
+                   layer_input(args, DEQUANTIZE_PLACEHOLDER))
     if args.combined:
         pages = (Operand("key_out_ptr", "kv_out"), Operand("value_out_ptr", None, used=False))
     else:

@@ -127,21 +127,15 @@ def scale_cache_shapes(cache: PagedCache, layout: str, rank: int) -> dict:
 def scale_cache(info: ArrayInfo, layout: str, rank: int) -> ScaleCache:
     """Geometry of a side scale array whose shape was checked against :func:`scale_cache_shapes`."""
     st = info.strides
-    if info.ndim == rank - 1:        # per token-head
-        if rank == 3:
-            return ScaleCache(True, st[0], 0, st[1])
-        if layout == "NHD":
-            return ScaleCache(True, st[0], st[1], st[2])
-        return ScaleCache(True, st[0], st[2], st[1])
-    if rank == 3:                    # per token
-        return ScaleCache(False, st[0], 0, 0)
-    return ScaleCache(False, st[0], st[1], 0)
+    if info.ndim == rank - 1:   # per token-head: the cache's geometry without head_dim
+        p = paged(ArrayInfo((*info.shape, 1), (*st, 1), info.dtype, info.device), layout)
+        return ScaleCache(True, p.stride_page, p.stride_slot, p.stride_head)
+    return ScaleCache(False, st[0], st[1] if rank == 4 else 0, 0)
 
 
 def inline_data(cache: PagedCache, head_dim: int) -> PagedCache:
     """An inline-scale cache as pages of its data: rows of ``head_dim`` codes, the scale after."""
-    return PagedCache(cache.num_pages, cache.page_size, cache.num_heads, head_dim,
-                      cache.stride_page, cache.stride_slot, cache.stride_head, cache.offset)
+    return replace(cache, head_dim=head_dim)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,9 +78,7 @@ def scale_input(side: str, scale: SideScale, placeholder: str) -> Operand:
     static device scale, or the placeholder (nothing read)."""
     if scale.stored is not None:
         return Operand(f"{side}_scale_ptr", f"{side}_scale_cache")
-    if scale.kind.on_device:
-        return Operand(f"{side}_scale_ptr", f"{side}_scale")
-    return Operand(f"{side}_scale_ptr", placeholder, used=False)
+    return static_input(side, scale, placeholder)
 
 
 def layer_input(args, placeholder: str) -> Operand:

@@ -101,5 +101,19 @@ def token_rows(x: ArrayInfo, head_dim: int) -> Rows:
 INT32_REACH = 2**31 - 1  # the largest element offset that int32 address arithmetic may form
 
 
-# ---------------------------------------------------------------------------------------------
-# Packed formats (NVFP4)
+def paged_reach(pages, heads: int, cols: int, geometry=None) -> int:
+    """The largest element offset into a paged array (:class:`fp8kv.layout.PagedCache` or
+    ``ScaleCache``) of its last slot, ``heads`` heads and ``cols`` columns on; ``geometry``: the
+    cache whose pages and slots it has (default: its own)."""
+    g = geometry or pages
+    return (getattr(pages, "offset", 0) + (g.num_pages - 1) * pages.stride_page
+            + (g.page_size - 1) * pages.stride_slot + heads * pages.stride_head + cols)
+
+
+def kv_reach(args, heads: int, cols: int) -> list[int]:
+    """:func:`paged_reach` of a validated write's caches and side scale arrays."""
+    kc = args.key_cache
+    return ([paged_reach(c, heads, cols) for c in (kc, args.value_cache)]
+            + [paged_reach(sc, heads, 0, kc) for sc in (args.key_scale.stored,
+                                                         args.value_scale.stored)
+               if sc is not None])

@@ -10,7 +10,7 @@ import numpy as np
 
 from .formats import (CANONICAL_NAN_BITS, DYNAMIC_SCALE_FLOOR, E4M3, FORMATS, FP8_OUTPUT_DTYPE,
                       MXFP8, NVFP4, Format, resolve_format)
-from .validate import (INLINE, SCALE_ROUNDINGS, check_choice, check_inline_pad,
+from .validate import (INLINE, ROPE_STYLES, SCALE_ROUNDINGS, check_choice, check_inline_pad,
                        check_no_static_scale, check_scale_cache_arg)
 
 _NP_DTYPES = {
@@ -62,7 +62,6 @@ def round_output(v: np.ndarray, out_dtype: str) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------
 # Dynamic scales: one fp32 scale per written token, or per written token and kv head.
-# ---------------------------------------------------------------------------------------------
 
 GRANULARITIES = ("token", "token_head")
 SCALE_FLOOR = np.float32(DYNAMIC_SCALE_FLOOR)  # 1e-6 in fp32: the smallest dynamic scale (before pow2 rounding)
@@ -211,29 +210,31 @@ def write_kv(key, value, key_cache, value_cache, slots, key_scale=None, value_sc
     if layer is not None:
         return write_kv_layer(layer, key, value, key_cache, value_cache, slots, key_scale,
                               value_scale, layout=layout, fp8_format=fp8_format,
-                              key_scale_cache=key_scale_cache,
-                              value_scale_cache=value_scale_cache, scale_rounding=scale_rounding,
-                              cache_format=cache_format)
-    blocks = _block_format(fp8_format, cache_format)
-    if blocks is not None:
-        return _write_kv_blocks(key, value, key_cache, value_cache, slots, key_scale, value_scale,
-                                layout, key_scale_cache, value_scale_cache, blocks)
+                              key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache,
+                              scale_rounding=scale_rounding, cache_format=cache_format)
     fp8_format = cache_format or fp8_format
     slots = np.asarray(slots).astype(np.int64)
     out, scale_out = [], []
     for side, x, cache, scale, scale_cache in (
             ("key", key, key_cache, key_scale, key_scale_cache),
             ("value", value, value_cache, value_scale, value_scale_cache)):
-        check_scale_cache_arg(scale_cache, f"{side}_scale_cache", np.ndarray)
-        check_no_static_scale(scale, scale_cache, f"{side}_scale")
-        x = np.asarray(x)
-        num_tokens, num_heads, head_dim = x.shape
         cache = np.array(cache, copy=True)
         fmt = resolve_format(cache.dtype.name, fp8_format)
+        if not fmt.block_scaled:
+            check_scale_cache_arg(scale_cache, f"{side}_scale_cache", np.ndarray)
+        if not fmt.packed:   # nvfp4's block scales come with a global (static) scale
+            check_no_static_scale(scale, scale_cache, f"{side}_scale")
+        x = np.asarray(x)
+        num_tokens, num_heads, head_dim = x.shape
         pages = _pages_view(cache.view(np.uint8), layout)   # [P, S, H, width]
         num_pages, page_size, _, width = pages.shape
-        side_scales = None   # the [P, S, H or 1] view of a side array being written, if any
-        if scale_cache is None:
+        side_scales = None   # the [P, S, H or 1 (, blocks)] view of a side array being written
+        if fmt.block_scaled:   # codes and block scales [T, H, D / block size]
+            scale_cache = np.array(scale_cache, copy=True)
+            side_scales = _pages_view(scale_cache.view(np.uint8), layout)
+            rows, s = (quantize_nvfp4(x, _scale_array(scale, num_heads)) if fmt.packed
+                       else quantize_mxfp8(x))
+        elif scale_cache is None:
             rows = quantize(x, _scale_array(scale, num_heads), fmt)      # [T, H, D] codes
         else:
             inline = isinstance(scale_cache, str)
@@ -293,29 +294,18 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int)):
         raise TypeError(f"head_dim: expected None or an int, got {type(head_dim).__name__}")
     if layer is not None:
-        stacks = _one_layer(layer, dict(key_cache=key_cache, value_cache=value_cache,
-                                        key_scale_cache=key_scale_cache,
-                                        value_scale_cache=value_scale_cache))
-        if stacks is None:   # out of range: every entry is padding, nothing is read
-            stacks = {n: np.zeros(np.shape(a)[1:], np.asarray(a).dtype)
-                      for n, a in (("key_cache", key_cache), ("value_cache", value_cache),
-                                   ("key_scale_cache", key_scale_cache),
-                                   ("value_scale_cache", value_scale_cache))
-                      if isinstance(a, np.ndarray)}
+        stacks = dict(key_cache=key_cache, value_cache=value_cache,
+                      key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache)
+        one = _one_layer(layer, stacks)
+        if one is None:   # out of range: every entry is padding, nothing is read
+            one = {n: np.zeros(a.shape[1:], a.dtype) for n, a in stacks.items()
+                   if isinstance(a, np.ndarray)}
             block_table = np.full(np.shape(block_table), -1, np.int64)
-        merged = dict(key_scale_cache=key_scale_cache, value_scale_cache=value_scale_cache)
-        merged.update(stacks)
-        return dequantize_pages(merged["key_cache"], merged["value_cache"], block_table,
+        one = {**stacks, **one}
+        return dequantize_pages(one.pop("key_cache"), one.pop("value_cache"), block_table,
                                 key_scale, value_scale, dtype=dtype, layout=layout,
-                                fp8_format=fp8_format, null_page=null_page,
-                                key_scale_cache=merged["key_scale_cache"],
-                                value_scale_cache=merged["value_scale_cache"], head_dim=head_dim,
-                                cache_format=cache_format, out_scale=out_scale)
-    blocks = _block_format(fp8_format, cache_format)
-    if blocks is not None:
-        return _dequantize_pages_blocks(key_cache, value_cache, block_table, key_scale,
-                                        value_scale, dtype, layout, null_page, key_scale_cache,
-                                        value_scale_cache, out_scale, blocks)
+                                fp8_format=fp8_format, null_page=null_page, head_dim=head_dim,
+                                cache_format=cache_format, out_scale=out_scale, **one)
     fp8_format = cache_format or fp8_format
     inline_given = any(isinstance(c, str) and c == INLINE for c in (key_scale_cache,
                                                                      value_scale_cache))
@@ -326,14 +316,19 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
     results = []
     for side, cache, scale, scale_cache in (("key", key_cache, key_scale, key_scale_cache),
                                             ("value", value_cache, value_scale, value_scale_cache)):
-        check_scale_cache_arg(scale_cache, f"{side}_scale_cache", np.ndarray)
-        check_no_static_scale(scale, scale_cache, f"{side}_scale")
         cache = np.asarray(cache)
         fmt = resolve_format(cache.dtype.name, fp8_format)
+        if not fmt.block_scaled:
+            check_scale_cache_arg(scale_cache, f"{side}_scale_cache", np.ndarray)
+        if not fmt.packed:
+            check_no_static_scale(scale, scale_cache, f"{side}_scale")
         pages = _pages_view(cache.view(np.uint8), layout)
         num_heads, width = pages.shape[2:]
-        inline = isinstance(scale_cache, str)
-        if inline:
+        static = _scale_array(scale, num_heads)
+        if fmt.block_scaled:   # pages of codes_per_byte x the caches' last dimension
+            data_dim = fmt.codes_per_byte * width
+            side_scales = _pages_view(np.asarray(scale_cache).view(np.uint8), layout)
+        elif isinstance(scale_cache, str):   # inline
             check_inline_pad(width, head_dim, f"{side}_cache")
             data_dim = head_dim
             # [P, S, H]: the 4 scale bytes of every head row, read as little-endian fp32
@@ -349,9 +344,12 @@ def dequantize_pages(key_cache, value_cache, block_table, key_scale=None, value_
                 view, _ = _side_scales_view(np.asarray(scale_cache), cache.shape, layout,
                                             f"{side}_scale_cache")
                 side_scales = view[..., None]                   # [P, S, H or 1, 1]
-        static = _scale_array(scale, num_heads)
 
         def page_values(page):   # called within this iteration: its variables are current
+            if fmt.packed:
+                return dequantize_nvfp4(pages[page], side_scales[page], static, dtype, out_scale)
+            if fmt.block_scaled:
+                return dequantize_mxfp8(pages[page], side_scales[page], dtype)
             s = static if side_scales is None else side_scales[page]
             return dequantize(pages[page, ..., :data_dim], s, fmt, dtype)
 
@@ -382,10 +380,6 @@ def _renumbered_table(table):
 
 # ---------------------------------------------------------------------------------------------
 # RoPE + write (docs/SPEC.md, section 12).
-# ---------------------------------------------------------------------------------------------
-
-ROPE_STYLES = ("neox", "gptj")
-
 
 def rope_pairs(head_dim: int, rotary_dim: int, rope_style: str) -> tuple[np.ndarray, np.ndarray]:
     """The element indices ``(a, b)`` of each rotated pair ``i < rotary_dim / 2``: ``neox``
@@ -438,16 +432,6 @@ def rope(x, positions, cos_sin_cache, *, rope_style="neox", rotary_dim=None) -> 
     return y
 
 
-def round_to(v: np.ndarray, dtype: str) -> np.ndarray:
-    """fp32 ``v`` rounded with RNE to ``dtype`` (bf16, fp16 or fp32), NaNs as the canonical NaN."""
-    v = np.asarray(v, np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = v.astype(np_dtype(dtype))
-    bits = out.view(_UINT_OF_SIZE[out.itemsize])
-    bits = np.where(np.isnan(v), bits.dtype.type(CANONICAL_NAN_BITS[dtype]), bits)
-    return bits.astype(bits.dtype).view(np_dtype(dtype))
-
-
 def rope_write_kv(query, key, value, key_cache, value_cache, slots, positions, cos_sin_cache,
                   key_scale=None, value_scale=None, *, rope_style="neox", rotary_dim=None,
                   query_scale=None, query_out=None, return_key=False, layout="NHD",
@@ -472,7 +456,7 @@ def rope_write_kv(query, key, value, key_cache, value_cache, slots, positions, c
     yk = rope(key, positions, cos_sin_cache, **options)
     ok = position_ok(positions, np.asarray(cos_sin_cache).shape[0])
     if query_scale is None:
-        q = round_to(yq, query.dtype.name)
+        q = round_output(yq, query.dtype.name)
     else:
         out_dtype = np.asarray(query_out).dtype.name if query_out is not None else "float8_e4m3fn"
         fmt = FORMATS["e5m2" if out_dtype == "float8_e5m2" else "e4m3"]
@@ -485,13 +469,12 @@ def rope_write_kv(query, key, value, key_cache, value_cache, slots, positions, c
                        value_scale_cache=value_scale_cache, scale_rounding=scale_rounding)
     out = (q,) + tuple(written)
     if return_key:
-        out += (round_to(yk, key.dtype.name),)
+        out += (round_output(yk, key.dtype.name),)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # NVFP4 (docs/SPEC.md section 13): E2M1 codes, an e4m3 scale per 16 elements, a global scale.
-# ---------------------------------------------------------------------------------------------
 
 _E2M1 = np.array(NVFP4.magnitudes, dtype=np.float64)   # value of each magnitude code 0..7
 
@@ -511,12 +494,15 @@ def e2m1_magnitude(a) -> np.ndarray:
     return np.where(even < _E2M1.size, even, tied.argmax(axis=-1)).astype(np.uint8)
 
 
-def _nvfp4_blocks(x: np.ndarray) -> np.ndarray:
+def _blocks(x, fmt: Format) -> np.ndarray:
+    """``x`` ``[..., D]`` as ``[..., D / size, size]``: the blocks of ``fmt`` (nvfp4, mxfp8)."""
     x = np.asarray(x)
-    if x.shape[-1] % NVFP4.blocks.size:
-        raise ValueError(f"x: expected a last dimension that is a multiple of "
-                         f"{NVFP4.blocks.size}, got {x.shape[-1]}")
-    return x.reshape(x.shape[:-1] + (x.shape[-1] // NVFP4.blocks.size, NVFP4.blocks.size))
+    size = fmt.blocks.size
+    if x.shape[-1] % size:
+        what = " (head_dim)" if fmt is MXFP8 else ""
+        raise ValueError(f"x: expected a last dimension{what} that is a multiple of {size}, "
+                         f"got {x.shape[-1]}")
+    return x.reshape(x.shape[:-1] + (x.shape[-1] // size, size))
 
 
 def quantize_nvfp4(x, g=None):
@@ -534,7 +520,7 @@ def quantize_nvfp4(x, g=None):
     >>> [hex(b) for b in codes[0, :4]], hex(sf[0, 0])  # amax 6: sf = 1.0 (0x38), d = 1
     (['0x20', '0x5a', '0xf7', '0x22'], '0x38')
     """
-    blocks = _nvfp4_blocks(x).astype(np.float32)                   # [..., NB, 16]
+    blocks = _blocks(x, NVFP4).astype(np.float32)                   # [..., NB, 16]
     g = np.float32(1.0) if g is None else np.asarray(g, dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         a = np.abs(blocks)
@@ -577,7 +563,7 @@ def dequantize_nvfp4(codes, block_scales, g=None, out_dtype="bfloat16", out_scal
     sv = np.asarray(block_scales).view(np.uint8).view(np_dtype(E4M3.dtype)).astype(np.float32)
     g = np.float32(1.0) if g is None else np.asarray(g, dtype=np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        p = (_nvfp4_blocks(e2m1_values(codes)) * sv[..., None]).astype(np.float32)   # exact
+        p = (_blocks(e2m1_values(codes), NVFP4) * sv[..., None]).astype(np.float32)   # exact
         v = (p * np.asarray(g)[..., None]).astype(np.float32)
     v = v.reshape(v.shape[:-2] + (-1,))
     if out_dtype == FP8_OUTPUT_DTYPE:
@@ -588,16 +574,6 @@ def dequantize_nvfp4(codes, block_scales, g=None, out_dtype="bfloat16", out_scal
 
 # ---------------------------------------------------------------------------------------------
 # MXFP8 (docs/SPEC.md section 13a): e4m3 codes, an E8M0 power-of-two scale per 32 elements.
-# ---------------------------------------------------------------------------------------------
-
-def _mxfp8_blocks(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x)
-    size = MXFP8.blocks.size
-    if x.shape[-1] % size:
-        raise ValueError(f"x: expected a last dimension (head_dim) that is a multiple of {size}, "
-                         f"got {x.shape[-1]}")
-    return x.reshape(x.shape[:-1] + (x.shape[-1] // size, size))
-
 
 def e8m0_value(e) -> np.ndarray:
     """fp32 ``2**(e - 127)`` of E8M0 bytes ``e`` (``0`` is the subnormal 2**-127); ``0xFF`` is
@@ -638,7 +614,7 @@ def quantize_mxfp8(x):
     >>> [hex(c) for c in codes[0, :4]], e.tolist()       # amax 448: X = 2**0, e = 127
     (['0x7e', '0xb8', '0x30', '0x80'], [[127]])
     """
-    blocks = _mxfp8_blocks(x).astype(np.float32)                   # [..., NB, 32]
+    blocks = _blocks(x, MXFP8).astype(np.float32)                   # [..., NB, 32]
     e = mxfp8_scale_codes(blocks)
     codes = quantize(blocks, e8m0_value(e)[..., None], MXFP8)
     return codes.reshape(codes.shape[:-2] + (-1,)), e
@@ -652,79 +628,15 @@ def dequantize_mxfp8(codes, block_scales, out_dtype="bfloat16"):
     >>> dequantize_mxfp8(np.uint8([[0x7e, 0xb8] + [0] * 30]), np.uint8([[135]]), "float32")[0, :2]
     array([114688.,   -256.], dtype=float32)
     """
-    c = _mxfp8_blocks(np.asarray(codes).view(np.uint8))
+    c = _blocks(np.asarray(codes).view(np.uint8), MXFP8)
     f = c.view(np_dtype(MXFP8.dtype)).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         v = (f * e8m0_value(np.asarray(block_scales).view(np.uint8))[..., None]).astype(np.float32)
     return round_output(v.reshape(v.shape[:-2] + (-1,)), out_dtype)
 
 
-def _block_format(fp8_format, cache_format) -> Format | None:
-    """The block-scaled format a call names (nvfp4, mxfp8), else None."""
-    fmt = FORMATS.get(cache_format or fp8_format)
-    return fmt if fmt is not None and fmt.block_scaled else None
-
-
-def _write_kv_blocks(key, value, key_cache, value_cache, slots, key_scale, value_scale, layout,
-                     key_scale_cache, value_scale_cache, fmt):
-    """:func:`write_kv` of a block-scaled cache: ``(key_cache, value_cache, key_scale_cache,
-    value_scale_cache)``, new copies with the valid slots written (codes and block scales)."""
-    slots = np.asarray(slots).astype(np.int64)
-    out = []
-    for side, x, cache, scale, blocks in (
-            ("key", key, key_cache, key_scale, key_scale_cache),
-            ("value", value, value_cache, value_scale, value_scale_cache)):
-        x = np.asarray(x)
-        if not fmt.packed:   # mxfp8: the block scales are the only scales
-            check_no_static_scale(scale, blocks, f"{side}_scale")
-        cache, blocks = np.array(cache, copy=True), np.array(blocks, copy=True)
-        pages = _pages_view(cache.view(np.uint8), layout)          # [P, S, H, D / codes per byte]
-        scales = _pages_view(blocks.view(np.uint8), layout)        # [P, S, H, D / block size]
-        num_pages, page_size = pages.shape[:2]
-        if fmt.packed:
-            codes, sf = quantize_nvfp4(x, _scale_array(scale, x.shape[1]))
-        else:
-            codes, sf = quantize_mxfp8(x)
-        for t, slot in enumerate(slots):
-            if 0 <= slot < num_pages * page_size:
-                page, offset = divmod(int(slot), page_size)
-                pages[page, offset] = codes[t]
-                scales[page, offset] = sf[t]
-        out.append((cache, blocks))
-    (kc, kb), (vc, vb) = out
-    return kc, vc, kb, vb
-
-
-def _dequantize_pages_blocks(key_cache, value_cache, block_table, key_scale, value_scale, dtype,
-                             layout, null_page, key_scale_cache, value_scale_cache, out_scale,
-                             fmt):
-    """:func:`dequantize_pages` of a block-scaled cache: pages of ``codes_per_byte x`` the
-    caches' last dimension."""
-    table = np.asarray(block_table).astype(np.int64)
-    results = []
-    for side, cache, scale, blocks in (("key", key_cache, key_scale, key_scale_cache),
-                                       ("value", value_cache, value_scale, value_scale_cache)):
-        if not fmt.packed:
-            check_no_static_scale(scale, blocks, f"{side}_scale")
-        cache = np.asarray(cache)
-        pages = _pages_view(cache.view(np.uint8), layout)
-        scales = _pages_view(np.asarray(blocks).view(np.uint8), layout)
-        num_heads, width = pages.shape[2:]
-        g = _scale_array(scale, num_heads)
-
-        def page_values(page):   # called within this iteration: its variables are current
-            if fmt.packed:
-                return dequantize_nvfp4(pages[page], scales[page], g, dtype, out_scale)
-            return dequantize_mxfp8(pages[page], scales[page], dtype)
-
-        results.append(_compact_pages(table, null_page, pages.shape, fmt.codes_per_byte * width,
-                                      dtype, cache.ndim, layout, page_values))
-    return results[0], results[1], _renumbered_table(table)
-
-
 # ---------------------------------------------------------------------------------------------
 # Stacked caches: [num_layers, ...] arrays and the layer a call reads or writes.
-# ---------------------------------------------------------------------------------------------
 
 def _one_layer(layer, stacks: dict):
     """Layer ``layer`` of each stacked array of ``stacks`` (NumPy arrays; others are left out),
@@ -752,21 +664,16 @@ def write_kv_layer(layer, key, value, key_cache, value_cache, slots, key_scale=N
     ...                     np.array([1]))[0].any())                  # out of range: nothing
     False
     """
-    stacks = dict(key_cache=key_cache, value_cache=value_cache,
-                  key_scale_cache=kwargs.get("key_scale_cache"),
-                  value_scale_cache=kwargs.get("value_scale_cache"))
+    names = ("key_cache", "value_cache", "key_scale_cache", "value_scale_cache")
+    stacks = dict(zip(names, (key_cache, value_cache, kwargs.get("key_scale_cache"),
+                              kwargs.get("value_scale_cache"))))
     copies = {n: np.array(a, copy=True) for n, a in stacks.items() if isinstance(a, np.ndarray)}
-    has_side = any(n.endswith("scale_cache") for n in copies)
     one = _one_layer(layer, copies)
     if one is not None:
-        written = write_kv(key, value, one["key_cache"], one["value_cache"], slots, key_scale,
-                           value_scale, **{**kwargs, **{n: a for n, a in one.items()
-                                                        if n.endswith("scale_cache")}})
-        names = ("key_cache", "value_cache", "key_scale_cache", "value_scale_cache")
+        written = write_kv(key, value, one.pop("key_cache"), one.pop("value_cache"), slots,
+                           key_scale, value_scale, **{**kwargs, **one})
         for name, array in zip(names, written):
             if array is not None:
                 copies[name][int(np.asarray(layer))] = array
-    out = (copies["key_cache"], copies["value_cache"])
-    if has_side:
-        out += (copies.get("key_scale_cache"), copies.get("value_scale_cache"))
-    return out
+    has_side = any(n.endswith("scale_cache") for n in copies)
+    return tuple(copies.get(n) for n in names[:4 if has_side else 2])

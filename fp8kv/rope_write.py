@@ -29,18 +29,14 @@ from .modes import OUT_KIND_OF_DTYPE, Division, ScaleKind, SideScale
 from .operands import Operand, OperandMap, caches_of, scale_input
 from .optable import (CHECK_BOUNDS, FP8_FORMAT, JAX, KEY_VALUE, LAYOUT, SCALE_ROUNDING, SLOTS,
                       TORCH, Arg, Op, Role, caches, from_shapes, option, scales, sides)
-from .plan import CUDA, INT32_REACH, INTERPRET, LaunchPlan, cache_record, exact_for, token_rows
-from .validate import (check_choice, check_contiguous, check_dtype, check_nonnegative_strides,
-                       check_out, check_same_device, check_scale, check_slots_in_range,
-                       check_unit_last_stride)
+from .plan import (CUDA, INT32_REACH, INTERPRET, LaunchPlan, cache_record, exact_for, kv_reach,
+                   token_rows)
+from .validate import (ROPE_STYLES, check_choice, check_contiguous, check_dtype,
+                       check_nonnegative_strides, check_out, check_same_device, check_scalar_scale,
+                       check_slots_in_range, check_unit_last_stride, named_caches)
 from .write import WRITE_PLACEHOLDER, WriteArgs, check_write, write_operands
 
-ROPE_STYLES = ("neox", "gptj")
-
-
 COS_SIN_DTYPES = ("float32", "bfloat16", "float16")
-
-
 QUERY_FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "uint8")
 
 
@@ -100,17 +96,6 @@ def check_rotary_dim(rotary_dim, cos_sin_cache: ArrayInfo, head_dim: int) -> int
     return width
 
 
-def check_query_scale(query_scale, device: str) -> SideScale:
-    """None, a Python number or a float32 array ``[]`` / ``[1]`` (one scale for every query
-    element)."""
-    if isinstance(query_scale, ArrayInfo):
-        check_dtype(query_scale, "query_scale", ("float32",))
-        if query_scale.shape not in ((), (1,)):
-            raise ValueError(f"query_scale: expected shape [] or [1], got "
-                             f"{fmt_shape(query_scale.shape)}")
-    return check_scale(query_scale, "query_scale", 1, device)
-
-
 def _check_output(out, name: str, shape, dtypes, device: str, array_type: type) -> None:
     if not isinstance(out, array_type):
         raise TypeError(f"{name}: expected None or an array, got {type(out).__name__}")
@@ -129,11 +114,9 @@ def check_rope_write(query, key, value, key_cache=None, value_cache=None, slots=
     (JAX). ``query_out`` None: the frontend makes one of the dtype found here.
     """
     style = check_choice(rope_style, "rope_style", ROPE_STYLES)
-    named = {"query": query, "key": key, "value": value}
-    named.update({"kv_cache": kv_cache} if kv_cache is not None
-                 else {"key_cache": key_cache, "value_cache": value_cache})
-    named.update(slots=slots, positions=positions, cos_sin_cache=cos_sin_cache)
-    device = check_same_device(named)
+    device = check_same_device({"query": query, "key": key, "value": value,
+                                **named_caches(key_cache, value_cache, kv_cache), "slots": slots,
+                                "positions": positions, "cos_sin_cache": cos_sin_cache})
     check_dtype(query, "query", INPUT_DTYPES)
     if query.ndim != 3:
         raise ValueError(f"query: expected rank 3 [num_tokens, num_heads, head_dim], got shape "
@@ -172,7 +155,7 @@ def check_rope_write(query, key, value, key_cache=None, value_cache=None, slots=
     check_unit_last_stride(cos_sin_cache, "cos_sin_cache")
     check_nonnegative_strides(cos_sin_cache, "cos_sin_cache")
     rotary = check_rotary_dim(rotary_dim, cos_sin_cache, head_dim)
-    qs = check_query_scale(query_scale, device)
+    qs = check_scalar_scale(query_scale, "query_scale", device)
     fp8 = query_scale is not None
     array_type = type(query)
     if query_out is None:
@@ -244,16 +227,15 @@ ROPE_SIZES = {
                tiny_fp8q_reciprocal_div=Division.FP64),
     INTERPRET: dict(block_t=0, kv_heads_per_program=0, q_tile=1 << 16, fp8q_q_tile=1 << 16,
                     v_tile=1 << 16, num_warps=1, reciprocal_div=Division.DIV_RN,
-                    fp8q_reciprocal_div=Division.DIV_RN,
-                    small_batch_tokens=0, small_block_t=0, small_kv_heads_per_program=0,
-                    small_q_tile=1 << 16, small_fp8q_q_tile=1 << 16, small_batch_warps=1,
-                    small_reciprocal_div=Division.DIV_RN,
-                    small_fp8q_reciprocal_div=Division.DIV_RN,
+                    fp8q_reciprocal_div=Division.DIV_RN, small_batch_tokens=0, small_block_t=0,
+                    small_kv_heads_per_program=0, small_q_tile=1 << 16,
+                    small_fp8q_q_tile=1 << 16, small_batch_warps=1,
+                    small_reciprocal_div=Division.DIV_RN, small_fp8q_reciprocal_div=Division.DIV_RN,
                     tiny_batch_tokens=0, tiny_batch_tokens_dynamic=0, tiny_batch_tokens_fp8q=0,
                     tiny_block_t=0, tiny_kv_heads_per_program=0, tiny_q_tile=1 << 16,
                     tiny_fp8q_q_tile=1 << 16, tiny_batch_warps=1,
-                    tiny_reciprocal_div=Division.DIV_RN,
-                    tiny_fp8q_reciprocal_div=Division.DIV_RN, tile=1 << 16),
+                    tiny_reciprocal_div=Division.DIV_RN, tiny_fp8q_reciprocal_div=Division.DIV_RN,
+                    tile=1 << 16),
 }
 
 
@@ -281,14 +263,7 @@ def rope_offsets_64(args: RopeWriteArgs, tokens: int, block_heads: int, block_co
     arrays = [w.key, w.value, args.query, args.query_out] + (
         [args.key_out] if args.key_out is not None else [])
     reach = [(tokens - 1) * x.strides[0] + heads * x.strides[1] + cols for x in arrays]
-    for cache in (w.key_cache, w.value_cache):
-        reach.append(cache.offset + (cache.num_pages - 1) * cache.stride_page
-                     + (cache.page_size - 1) * cache.stride_slot + heads * cache.stride_head
-                     + cols)
-    for sc in (w.key_scale.stored, w.value_scale.stored):
-        if sc is not None:
-            reach.append((kc.num_pages - 1) * sc.stride_page + (kc.page_size - 1) * sc.stride_slot
-                         + heads * sc.stride_head)
+    reach += kv_reach(w, heads, cols)
     cs = args.cos_sin_cache
     reach.append((args.max_position - 1) * cs.strides[0] + cols)
     return max(reach) > INT32_REACH

@@ -179,6 +179,7 @@ def check_scale(scale, name: str, num_heads: int, device: str) -> SideScale:
 
 INLINE = "inline"
 SCALE_ROUNDINGS = ("exact", "pow2")
+ROPE_STYLES = ("neox", "gptj")
 
 
 def check_scale_cache_arg(scale_cache, name: str, array_type: type = ArrayInfo,
@@ -312,15 +313,24 @@ def check_out_scale(out_scale, out_dtype: str, device: str) -> SideScale:
                          f"the FP8 output), got "
                          f"{'an array' if isinstance(out_scale, ArrayInfo) else repr(out_scale)} "
                          f"with dtype {out_dtype}")
-    if isinstance(out_scale, ArrayInfo) and out_scale.shape not in ((), (1,)):
-        check_dtype(out_scale, "out_scale", ("float32",))
-        raise ValueError(f"out_scale: expected shape [] or [1], got {fmt_shape(out_scale.shape)}")
-    return check_scale(out_scale, "out_scale", 1, device)
+    return check_scalar_scale(out_scale, "out_scale", device)
+
+
+def check_scalar_scale(scale, name: str, device: str) -> SideScale:
+    """One scale for every element: None, a Python number or a float32 array ``[]`` / ``[1]``."""
+    if isinstance(scale, ArrayInfo) and scale.shape not in ((), (1,)):
+        check_dtype(scale, name, ("float32",))
+        raise ValueError(f"{name}: expected shape [] or [1], got {fmt_shape(scale.shape)}")
+    return check_scale(scale, name, 1, device)
 
 
 def side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc, layout, rank,
-                 device, num_heads) -> tuple[SideScale, SideScale]:
-    """Both sides' :class:`~fp8kv.modes.SideScale`, static or dynamic."""
+                device, num_heads, fmt: Format | None = None) -> tuple[SideScale, SideScale]:
+    """Both sides' :class:`~fp8kv.modes.SideScale`, static or dynamic (:func:`block_side_scales`
+    for a block-scaled ``fmt``)."""
+    if fmt is not None and fmt.block_scaled:
+        return block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc,
+                                 vc, layout, rank, device, num_heads, fmt)
     sides = []
     for side, scale, sc, cache in (("key", key_scale, key_scale_cache, kc),
                                    ("value", value_scale, value_scale_cache, vc)):
@@ -412,14 +422,13 @@ def unstack(layer, device: str, key_cache, value_cache, kv_cache, key_scale_cach
     if layer is None:
         return arrays, None
     caches = named_caches(key_cache, value_cache, kv_cache)
-    ranks = "5 or 6" if kv_cache is not None else "4 or 5"
+    ranks = (5, 6) if kv_cache is not None else (4, 5)
     for name, cache in caches.items():
-        if not isinstance(cache, ArrayInfo) or cache.ndim not in ((5, 6) if kv_cache is not None
-                                                                  else (4, 5)):
+        if not isinstance(cache, ArrayInfo) or cache.ndim not in ranks:
             got = (f"shape {fmt_shape(cache.shape)}" if isinstance(cache, ArrayInfo)
                    else "no array")
-            raise ValueError(f"{name}: expected a stacked cache [num_layers, ...] of rank {ranks} "
-                             f"(layer= is given), got {got}")
+            raise ValueError(f"{name}: expected a stacked cache [num_layers, ...] of rank "
+                             f"{ranks[0]} or {ranks[1]} (layer= is given), got {got}")
     first_name, first = next(iter(caches.items()))
     for name, cache in caches.items():
         if cache.shape != first.shape:
@@ -431,15 +440,15 @@ def unstack(layer, device: str, key_cache, value_cache, kv_cache, key_scale_cach
                             "value_scale_cache"), arrays):
         if not isinstance(array, ArrayInfo):
             strides.append(0)
-            continue
-        if array.ndim == 0 or array.shape[0] != num_layers:
+        elif array.ndim == 0 or array.shape[0] != num_layers:
             raise ValueError(f"{name}: expected a stacked array [num_layers={num_layers}, ...] "
                              f"(layer= is given; the leading axis of the caches), got shape "
                              f"{fmt_shape(array.shape)}")
-        if array.strides[0] < 0:
+        elif array.strides[0] < 0:
             raise ValueError(f"{name}: expected non-negative strides, got "
                              f"{fmt_shape(array.strides)}")
-        strides.append(array.strides[0])
+        else:
+            strides.append(array.strides[0])
     k_stride, v_stride = (strides[2], strides[2]) if kv_cache is not None else strides[:2]
     layers = Layers(num_layers, k_stride, v_stride, strides[3], strides[4],
                     None if isinstance(layer, ArrayInfo) else layer)

@@ -19,13 +19,13 @@ from .operands import (Operand, OperandMap, block_operands, caches_of, layer_inp
                        static_input)
 from .optable import (CACHE_FORMAT, CHECK_BOUNDS, FP8_FORMAT, KEY_VALUE, LAYER, LAYOUT,
                       SCALE_ROUNDING, SLOTS, Op, caches, from_shapes, scales, sides)
-from .plan import (CUDA, INT32_REACH, INTERPRET, LaunchPlan, cache_record, exact_for, kv_scalars,
-                   token_rows)
-from .validate import (SCALE_ROUNDINGS, block_side_scales, check_block_head_dim, check_caches,
-                       check_choice, check_contiguous, check_dtype, check_inline,
-                       check_layers_supported, check_same_device, check_scale_cache_arg,
-                       check_slots_in_range, check_stack_bounds, check_unit_last_stride,
-                       named_caches, side_scales, unstack)
+from .plan import (CUDA, INT32_REACH, INTERPRET, LaunchPlan, cache_record, exact_for, kv_reach,
+                   kv_scalars, paged_reach, token_rows)
+from .validate import (SCALE_ROUNDINGS, check_block_head_dim, check_caches, check_choice,
+                       check_contiguous, check_dtype, check_inline, check_layers_supported,
+                       check_same_device, check_scale_cache_arg, check_slots_in_range,
+                       check_stack_bounds, check_unit_last_stride, named_caches, side_scales,
+                       unstack)
 
 
 @dataclass(frozen=True)
@@ -105,12 +105,8 @@ def check_write(key, value, key_cache=None, value_cache=None, slots=None, key_sc
         raise ValueError(f"slots: expected shape [{num_tokens}] (one per token), got "
                          f"{fmt_shape(slots.shape)}")
     check_contiguous(slots, "slots")
-    if fmt.block_scaled:
-        ks, vs = block_side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache,
-                                    kc, vc, layout, rank, device, num_heads, fmt)
-    else:
-        ks, vs = side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
-                              layout, rank, device, num_heads)
+    ks, vs = side_scales(key_scale, value_scale, key_scale_cache, value_scale_cache, kc, vc,
+                         layout, rank, device, num_heads, fmt)
     return WriteArgs(num_tokens, key, value, kc, vc, fmt, ks, vs, layout, kv_cache is not None,
                      pad, pow2, layers)
 
@@ -121,16 +117,13 @@ def write_bounds(args, read) -> None:
 
 
 # Elements per program (per K or V) and warps, per backend (bench/NOTES.md has the measurements
-# behind each entry). The interpreter runs one program at a time, slowly, so it gets big
-# tiles. Large batches take `num_warps` (one 16-byte load of K and one of V per thread, many
-# programs per SM), smaller ones more warps (more memory requests in flight, shorter dependency
-# chains per thread): batches of up to `small_batch_elems` row elements use
-# `small_batch_warps`, and static-scale ones of up to `decode_batch_elems`
-# `decode_batch_warps`.
-# reciprocal_div (a fp8kv.modes.Division): how small batches divide by a per-tensor scale --
-# DIV_RN: div.rn per element; FMA: one fp32 reciprocal and two FMA corrections per element
-# (codec.divide_by_scalar); FP64: one fp64 reciprocal and an fp64 product per element
-# (codec.divide_fp64); all exact. Large batches divide with div.rn.
+# behind each entry). The interpreter runs one program at a time, slowly, so it gets big tiles.
+# Large batches take `num_warps` (one 16-byte load of K and one of V per thread, many programs
+# per SM), smaller ones more warps (more memory requests in flight, shorter dependency chains per
+# thread): batches of up to `small_batch_elems` row elements use `small_batch_warps`, and
+# static-scale ones of up to `decode_batch_elems` `decode_batch_warps`.
+# reciprocal_div (a fp8kv.modes.Division, exact either way): how small batches divide by a
+# per-tensor scale; large batches divide with div.rn.
 # loads_first_elems: per-token-head writes load both sides' tiles before the first amax when a
 # tile has at most this many elements; larger tiles (register pressure) and per-token scales run
 # one side after the other. The interpreter takes both orders (per-token-head / per-token).
@@ -162,8 +155,7 @@ WRITE_SIZES = {
 # amax a two-thread reduction) instead of whole groups per thread. loads_first: both sides' loads
 # before the first amax. dequantize: output elements per program (block) and warps; lookup: an
 # FP8 output by a per-block table (ops/dequantize_nvfp4.py _lookup_side), where the arrays allow
-# its 4-byte words, with lookup_block output elements per program. bench/nvfp4.py times the
-# variants.
+# its 4-byte words, with lookup_block output elements per program.
 NVFP4_WRITE_SIZES = {
     CUDA: dict(tile=1024, num_warps=1, small_tile=1024, small_batch_warps=4,
                small_batch_elems=1 << 18, loads_first=True, small_blockwise=True),
@@ -181,14 +173,7 @@ def offsets_64(args: WriteArgs, tokens: int, block_h: int, block_d: int, block_h
     cols = max(block_d, block_hd, kc.head_dim + args.inline_pad)
     reach = [(tokens - 1) * x.strides[0] + heads * x.strides[1] + cols
              for x in (args.key, args.value)]
-    for cache in (args.key_cache, args.value_cache):
-        reach.append(cache.offset + (cache.num_pages - 1) * cache.stride_page
-                     + (cache.page_size - 1) * cache.stride_slot + heads * cache.stride_head + cols)
-    for sc in (args.key_scale.stored, args.value_scale.stored):
-        if sc is not None:
-            reach.append((kc.num_pages - 1) * sc.stride_page + (kc.page_size - 1) * sc.stride_slot
-                         + heads * sc.stride_head)
-    return max(reach) > INT32_REACH
+    return max(reach + kv_reach(args, heads, cols)) > INT32_REACH
 
 
 @functools.lru_cache(maxsize=4096)
@@ -247,9 +232,7 @@ def _nvfp4_offsets_64(args: WriteArgs, tokens: int, block_h: int, block_d: int) 
                         (args.value_cache, block_d // fmt.codes_per_byte),
                         (args.key_scale.stored, block_d // fmt.blocks.size),
                         (args.value_scale.stored, block_d // fmt.blocks.size)):
-        reach.append(cache.offset + (cache.num_pages - 1) * cache.stride_page
-                     + (cache.page_size - 1) * cache.stride_slot + block_h * cache.stride_head
-                     + cols)
+        reach.append(paged_reach(cache, block_h, cols))
     return max(reach) > INT32_REACH
 
 
@@ -283,41 +266,29 @@ WRITE_PLACEHOLDER = "slots"
 
 def write_operands(args) -> OperandMap:
     """``_write_kv_kernel``'s arrays for a validated :class:`fp8kv.write.WriteArgs`
-    (``_write_nvfp4_kernel``'s for a packed format)."""
-    if args.fmt.packed:
-        return write_nvfp4_operands(args)
+    (``_write_nvfp4_kernel``'s for a packed format: a global scale and a block-scale array per
+    side)."""
     kc, vc = caches_of(args.combined)
     inputs = (Operand("key_ptr", "key"), Operand("value_ptr", "value"),
               Operand("key_cache_ptr", kc), Operand("value_cache_ptr", vc),
-              Operand("slot_ptr", "slots"),
-              scale_input("key", args.key_scale, WRITE_PLACEHOLDER),
-              scale_input("value", args.value_scale, WRITE_PLACEHOLDER),
-              layer_input(args, WRITE_PLACEHOLDER))
-    outputs = [Operand("key_cache_out_ptr", kc, aliases="key_cache_ptr"),
+              Operand("slot_ptr", "slots"))
+    outputs = (Operand("key_cache_out_ptr", kc, aliases="key_cache_ptr"),
                # A combined cache is one buffer: V goes through the K output (SHARED_OUT).
                Operand("value_cache_out_ptr", None, used=False) if args.combined else
-               Operand("value_cache_out_ptr", vc, aliases="value_cache_ptr")]
+               Operand("value_cache_out_ptr", vc, aliases="value_cache_ptr"))
+    if args.fmt.packed:
+        blocks_in, blocks_out = block_operands()
+        return OperandMap(inputs + (static_input("key", args.key_scale, WRITE_PLACEHOLDER),
+                                    static_input("value", args.value_scale, WRITE_PLACEHOLDER))
+                          + blocks_in, outputs + blocks_out)
+    inputs += (scale_input("key", args.key_scale, WRITE_PLACEHOLDER),
+               scale_input("value", args.value_scale, WRITE_PLACEHOLDER),
+               layer_input(args, WRITE_PLACEHOLDER))
     for side, scale in (("key", args.key_scale), ("value", args.value_scale)):
-        outputs.append(Operand(f"{side}_scale_out_ptr", f"{side}_scale_cache",
-                               aliases=f"{side}_scale_ptr") if scale.stored is not None
-                       else Operand(f"{side}_scale_out_ptr", None, used=False))
-    return OperandMap(inputs, tuple(outputs))
-
-
-def write_nvfp4_operands(args) -> OperandMap:
-    """``_write_nvfp4_kernel``'s arrays: the FP8 write's, with a global scale and a block-scale
-    array per side."""
-    kc, vc = caches_of(args.combined)
-    blocks_in, blocks_out = block_operands()
-    inputs = (Operand("key_ptr", "key"), Operand("value_ptr", "value"),
-              Operand("key_cache_ptr", kc), Operand("value_cache_ptr", vc),
-              Operand("slot_ptr", "slots"),
-              static_input("key", args.key_scale, WRITE_PLACEHOLDER),
-              static_input("value", args.value_scale, WRITE_PLACEHOLDER)) + blocks_in
-    caches = (Operand("key_cache_out_ptr", kc, aliases="key_cache_ptr"),
-              Operand("value_cache_out_ptr", None, used=False) if args.combined else
-              Operand("value_cache_out_ptr", vc, aliases="value_cache_ptr"))
-    return OperandMap(inputs, caches + blocks_out)
+        outputs += (Operand(f"{side}_scale_out_ptr", f"{side}_scale_cache",
+                            aliases=f"{side}_scale_ptr") if scale.stored is not None
+                    else Operand(f"{side}_scale_out_ptr", None, used=False),)
+    return OperandMap(inputs, outputs)
 
 
 # ---------------------------------------------------------------------------------------------
