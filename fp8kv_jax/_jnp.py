@@ -124,22 +124,17 @@ def _dynamic_scales(x, fmt, per_head: bool, pow2: bool):
     return s
 
 
-def _fp32_bits(x):
-    """``x`` (bf16, fp16, fp32) as fp32 bit patterns (uint32): bf16 by a shift of its bits, so
-    that no float operation sees a subnormal (XLA:CPU flushes them)."""
-    if x.dtype == jnp.bfloat16:
-        return lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
-    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-
-
 def _quantize_mxfp8(x, fmt):
-    """``(codes [T, H, D], E8M0 codes [T, H, D / 32])``, as
-    :func:`fp8kv.reference.quantize_mxfp8`: the amax and its exponent on the bits, the quotient
-    by the power of two with :func:`mul_rn` (exact on subnormal inputs, which XLA:CPU's float
-    operations would flush)."""
+    """``(codes [T, H, D], E8M0 codes [T, H, D / 32])``, as :func:`fp8kv.reference.quantize_mxfp8`:
+    the amax and its exponent on the bits, the quotient by the power of two with :func:`mul_rn`
+    (exact on subnormal inputs, which XLA:CPU's float operations would flush)."""
     t, h, d = x.shape
     size = fmt.blocks.size
-    u = _fp32_bits(x).reshape(t, h, d // size, size)
+    if x.dtype == jnp.bfloat16:   # fp32 bits by a shift: no float operation sees a subnormal
+        u = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+    else:
+        u = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    u = u.reshape(t, h, d // size, size)
     amax = (u & jnp.uint32(0x7FFFFFFF)).max(axis=-1)
     e = jnp.where(amax >= 0x7F800000, jnp.uint32(255),
                   jnp.maximum((amax >> 23).astype(jnp.int32) - 8, 0).astype(jnp.uint32))
@@ -149,21 +144,16 @@ def _quantize_mxfp8(x, fmt):
     return _quantize(q, None, fmt).reshape(t, h, d), e.astype(jnp.uint8)
 
 
-def _e8m0_values(e):
-    """fp32 ``2**(e - 127)`` of E8M0 bytes (0: the subnormal 2**-127; 0xFF: NaN)."""
-    e = e.astype(jnp.uint32)
-    bits = jnp.where(e == 255, jnp.uint32(CANONICAL_NAN_BITS["float32"]),
-                     jnp.where(e == 0, jnp.uint32(0x00400000), e << 23))
-    return lax.bitcast_convert_type(bits, jnp.float32)
-
-
 def _mxfp8_values(codes, e, fmt):
     """fp32 values of mxfp8 codes, as :func:`fp8kv.reference.dequantize_mxfp8`: the product by
     ``2**(e - 127)`` with :func:`mul_rn` (exact for a subnormal scale or product)."""
     v = lax.bitcast_convert_type(codes, jnp.dtype(fmt.dtype)).astype(jnp.float32)
     size = fmt.blocks.size
     v = v.reshape(v.shape[:-1] + (v.shape[-1] // size, size))
-    return mul_rn(v, _e8m0_values(e)[..., None]).reshape(codes.shape)
+    e = e.astype(jnp.uint32)   # the E8M0 byte 0 is the subnormal 2**-127, 0xFF is NaN
+    bits = jnp.where(e == 255, jnp.uint32(CANONICAL_NAN_BITS["float32"]),
+                     jnp.where(e == 0, jnp.uint32(0x00400000), e << 23))
+    return mul_rn(v, lax.bitcast_convert_type(bits, jnp.float32)[..., None]).reshape(codes.shape)
 
 
 def _quantize_side(x, array, scale: SideScale, args):
@@ -244,7 +234,14 @@ def dequantize_pages(arrays: dict, *, args) -> dict:
     ``table_out`` when ``args.combined``) from ``arrays`` (the call's, by argument name)."""
     num_pages = args.key_cache.num_pages
     block_table = arrays["block_table"]
-    keep, index = _pages_read(block_table, num_pages, args.null_page)
+    # The entries that name a page (not padding, past the cache or null_page); the others read
+    # page num_pages, one past the cache.
+    entries = block_table.reshape(-1)
+    keep = _in_range(entries, num_pages)
+    info = jnp.iinfo(entries.dtype)
+    if args.null_page is not None and info.min <= args.null_page <= info.max:
+        keep &= entries != args.null_page
+    index = jnp.where(keep, entries, num_pages)
     layer = _layer_index(arrays, args.layers)
     if layer is not None:   # an out-of-range layer reads nothing: zero pages (not 0 * scale)
         keep &= layer < args.layers.num_layers
@@ -258,7 +255,7 @@ def dequantize_pages(arrays: dict, *, args) -> dict:
         codes = (_gather(arrays["key_cache"], index, num_pages, layer),
                  _gather(arrays["value_cache"], index, num_pages, layer))
     sides = []
-    for c, side, scale in ((codes[0], "key", args.key_scale), (codes[1], "value", args.value_scale)):
+    for c, side, scale in zip(codes, ("key", "value"), (args.key_scale, args.value_scale)):
         s = _scale(arrays[f"{side}_scale"], scale, trailing)
         if scale.dynamic is ScaleKind.BLOCK:   # nvfp4, mxfp8: the block scales' bytes, as the codes
             blocks = _gather(arrays[f"{side}_scale_cache"], index, num_pages, layer)
@@ -284,7 +281,6 @@ def dequantize_pages(arrays: dict, *, args) -> dict:
     return {"key_out": k, "value_out": v, "table_out": new_table}
 
 
-# ---------------------------------------------------------------------------------------------
 # rope_write_kv (docs/SPEC.md, section 12)
 
 def mul_rn(a, b):
@@ -369,11 +365,10 @@ def rope_write_kv(arrays: dict, *, args) -> dict:
     what :func:`write_kv` returns for the rotated key, and ``key_out`` when ``args.key_out``."""
     positions = arrays["positions"]
     ok = _in_range(positions, args.max_position)
-    cs = arrays["cos_sin_cache"]
     if args.max_position == 0:   # every position is out of range (XLA cannot gather from 0 rows)
         rows = jnp.zeros((positions.shape[0], args.rotary_dim), jnp.float32)
     else:
-        rows = cs[jnp.where(ok, positions, 0)].astype(jnp.float32)
+        rows = arrays["cos_sin_cache"][jnp.where(ok, positions, 0)].astype(jnp.float32)
     half = args.rotary_dim // 2
     c, s = rows[:, None, :half], rows[:, None, half:]
     # Query and key heads rotated together (one rotation to compile).
@@ -445,18 +440,6 @@ def _nvfp4_values(codes, blocks, g):
     return v.reshape(codes.shape[:-1] + (2 * codes.shape[-1],))
 
 
-def _pages_read(block_table, num_pages: int, null_page):
-    """Which block-table entries name a page (not padding, past the cache or ``null_page``), and
-    the page each reads: ``num_pages`` (one past the cache) for the others."""
-    entries = block_table.reshape(-1)
-    keep = _in_range(entries, num_pages)
-    info = jnp.iinfo(entries.dtype)
-    if null_page is not None and info.min <= null_page <= info.max:
-        keep &= entries != null_page
-    return keep, jnp.where(keep, entries, num_pages)
-
-
-# ---------------------------------------------------------------------------------------------
 # paged_attention (docs/SPEC.md section 16)
 
 def _attention_values(given: dict, args):
