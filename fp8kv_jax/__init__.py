@@ -41,8 +41,7 @@ from typing import Union
 try:
     import jax
 except ImportError as e:   # JAX is the extra "jax" of fp8kv, not a dependency: say so
-    # (ModuleNotFoundError, an ImportError: what pytest.importorskip and tools expect of a
-    # missing module)
+    # (ModuleNotFoundError: what pytest.importorskip and tools expect of a missing module)
     raise ModuleNotFoundError(f"fp8kv_jax needs JAX, which cannot be imported ({e}): "
                               'pip install "fp8kv[jax]" (or "fp8kv[jax-gpu]" for NVIDIA GPUs)',
                               name="jax") from e
@@ -50,11 +49,11 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from fp8kv.optable import JAX, OPS, Role
-from fp8kv.spelling import check_flag
+from fp8kv.spelling import check_flag, output_dtype_name
 from fp8kv.validate import frontend_args
 
 from . import _args, _jnp, _shard, _triton
-from ._args import as_array, as_scales, device_array
+from ._args import as_array
 from ._xla_triton import XlaTritonWarning
 
 __all__ = ["write_kv", "write_kv_combined", "dequantize_pages", "dequantize_pages_combined",
@@ -76,19 +75,20 @@ def _call(op: str, named: dict):
         if name in named:
             check_flag(named[name], name)
     arrays = {name: as_array(named[name], name) for name in entry.required(JAX)}
-    optional = {name: as_scales(named[name])[0] for name in entry.optional(JAX)}
-    for name in _GIVEN_OUTPUTS[op]:
-        if optional[name] is not None:
-            optional[name] = as_array(optional[name], name)
+    optional = {name: _args.as_scale(named[name]) for name in entry.optional(JAX)}
+    for name, x in optional.items():
+        if x is not None and entry.arg(name).role is Role.OUTPUT:
+            optional[name] = as_array(x, name)
     options = {name: named[name] for name in entry.options(JAX)}
     if "dtype" in options:
-        options["dtype"] = _args.dtype_name(options["dtype"])
+        options["dtype"] = output_dtype_name(options["dtype"], _args.jax_name)
     args = entry.check(**frontend_args(_args.info, jax.Array, arrays, optional), **options)
     values = {**arrays, **optional}
     if named["check_bounds"]:
         entry.bounds(args, lambda name: _args.host_values(values[name], name)
                      if isinstance(values[name], jax.Array) else values[name])
-    given = {**arrays, **{name: device_array(x) for name, x in optional.items()}}
+    # What the kernel reads or writes: None for a host float (a plan scalar), no scale, "inline"
+    given = {**arrays, **{n: x if isinstance(x, jax.Array) else None for n, x in optional.items()}}
     made = entry.made(args)
     outputs = tuple(n for n in entry.returns
                     if n in made or (entry.arg(n).updated and given[n] is not None))
@@ -109,8 +109,6 @@ def _call(op: str, named: dict):
 
 
 _FLAGS = ("check_bounds", "return_key")   # checked first, in this order
-_GIVEN_OUTPUTS = {name: [n for n in op.optional(JAX) if op.arg(n).role is Role.OUTPUT]
-                  for name, op in OPS.items()}
 
 
 def write_kv(key: jax.Array, value: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
@@ -532,8 +530,6 @@ def rope_write_kv_combined(query: jax.Array, key: jax.Array, value: jax.Array,
     ([[[-2.0, 1.0]]], [[192, 56], [56, 64]])
     """
     return _call("rope_write_kv_combined", locals())
-
-
 
 
 def paged_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Array,

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8kv.arrays import ArrayInfo
-from fp8kv.spelling import output_dtype_name
 
 # JAX arrays have no strides and no per-array device the core could compare (jit places them):
 # every array is contiguous and lives on this one "device".
@@ -26,15 +25,9 @@ def as_array(x, name: str):
     raise TypeError(f"{name}: expected a jax.Array, got {type(x).__name__}")
 
 
-def as_scales(*scales) -> tuple:
-    """Scales and scale caches as given, NumPy arrays made JAX arrays (the core checks the rest)."""
-    return tuple(jnp.asarray(s) if isinstance(s, np.ndarray) else s for s in scales)
-
-
-def device_array(scale):
-    """The array the kernel reads (or writes) for a scale or scale cache, or None: a host float
-    (a plan scalar), no scale, or an inline scale cache."""
-    return scale if isinstance(scale, jax.Array) else None
+def as_scale(scale):
+    """A scale or scale cache as given, a NumPy array as a JAX array (the core checks the rest)."""
+    return jnp.asarray(scale) if isinstance(scale, np.ndarray) else scale
 
 
 def host_values(x, name: str) -> np.ndarray:
@@ -50,7 +43,7 @@ def info(x: jax.Array, name: str) -> ArrayInfo:
     return ArrayInfo.contiguous(x.shape, jnp.dtype(x.dtype).name, DEVICE)
 
 
-def _jax_name(dtype) -> str | None:
+def jax_name(dtype) -> str | None:
     """The name of a JAX or NumPy dtype (``jnp.bfloat16``, ``np.dtype("float32")``), else None."""
     if dtype is None:   # jnp.dtype(None) is the default float type: not a spelling of one
         return None
@@ -58,11 +51,6 @@ def _jax_name(dtype) -> str | None:
         return jnp.dtype(dtype).name
     except (TypeError, ValueError):
         return None
-
-
-def dtype_name(dtype) -> str:
-    """An output dtype as the core names it; the core's error (:mod:`fp8kv.spelling`) otherwise."""
-    return output_dtype_name(dtype, _jax_name)
 
 
 def _is_cuda(device) -> bool:

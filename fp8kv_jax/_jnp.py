@@ -62,14 +62,6 @@ def _quantize(x, scale, fmt):
     return jnp.where(nan, jnp.uint8(fmt.nan_code), codes)
 
 
-def _dequantize(codes, scale, fmt, out_dtype: str, keep):
-    """``round(fp32(decode(codes)) * scale)``, canonical NaNs, zeros where ``keep`` is False."""
-    v = lax.bitcast_convert_type(codes, jnp.dtype(fmt.dtype)).astype(jnp.float32)
-    if scale is not None:
-        v = v * scale
-    return _round_output(v, out_dtype, keep)
-
-
 def _round_output(v, out_dtype: str, keep):
     """fp32 ``v`` rounded to ``out_dtype``, canonical NaNs, zeros where ``keep`` is False."""
     uint = _UINT[jnp.dtype(out_dtype).itemsize]
@@ -109,10 +101,11 @@ def _layered(layer, index: tuple) -> tuple:
     return index if layer is None else (layer,) + index
 
 
-def _scatter(cache, index, codes):
-    """Write fp8 codes as bytes: untouched bytes (NaN codes included) stay exactly as they are."""
-    raw = lax.bitcast_convert_type(cache, jnp.uint8)
-    return lax.bitcast_convert_type(raw.at[index].set(codes, mode="drop"), cache.dtype)
+def _scatter(array, index, values):
+    """Write ``values`` as bytes: untouched bytes (NaN codes included) stay exactly as they are."""
+    raw = lax.bitcast_convert_type(array, jnp.uint8)
+    values = lax.bitcast_convert_type(values, jnp.uint8)
+    return lax.bitcast_convert_type(raw.at[index].set(values, mode="drop"), array.dtype)
 
 
 def _dynamic_scales(x, fmt, per_head: bool, pow2: bool):
@@ -131,22 +124,17 @@ def _dynamic_scales(x, fmt, per_head: bool, pow2: bool):
     return s
 
 
-def _fp32_bits(x):
-    """``x`` (bf16, fp16, fp32) as fp32 bit patterns (uint32): bf16 by a shift of its bits, so
-    that no float operation sees a subnormal (XLA:CPU flushes them)."""
-    if x.dtype == jnp.bfloat16:
-        return lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
-    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-
-
 def _quantize_mxfp8(x, fmt):
-    """``(codes [T, H, D], E8M0 codes [T, H, D / 32])``, as
-    :func:`fp8kv.reference.quantize_mxfp8`: the amax and its exponent on the bits, the quotient
-    by the power of two with :func:`mul_rn` (exact on subnormal inputs, which XLA:CPU's float
-    operations would flush)."""
+    """``(codes [T, H, D], E8M0 codes [T, H, D / 32])``, as :func:`fp8kv.reference.quantize_mxfp8`:
+    the amax and its exponent on the bits, the quotient by the power of two with :func:`mul_rn`
+    (exact on subnormal inputs, which XLA:CPU's float operations would flush)."""
     t, h, d = x.shape
     size = fmt.blocks.size
-    u = _fp32_bits(x).reshape(t, h, d // size, size)
+    if x.dtype == jnp.bfloat16:   # fp32 bits by a shift: no float operation sees a subnormal
+        u = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+    else:
+        u = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    u = u.reshape(t, h, d // size, size)
     amax = (u & jnp.uint32(0x7FFFFFFF)).max(axis=-1)
     e = jnp.where(amax >= 0x7F800000, jnp.uint32(255),
                   jnp.maximum((amax >> 23).astype(jnp.int32) - 8, 0).astype(jnp.uint32))
@@ -156,26 +144,22 @@ def _quantize_mxfp8(x, fmt):
     return _quantize(q, None, fmt).reshape(t, h, d), e.astype(jnp.uint8)
 
 
-def _e8m0_values(e):
-    """fp32 ``2**(e - 127)`` of E8M0 bytes (0: the subnormal 2**-127; 0xFF: NaN)."""
-    e = e.astype(jnp.uint32)
-    bits = jnp.where(e == 255, jnp.uint32(CANONICAL_NAN_BITS["float32"]),
-                     jnp.where(e == 0, jnp.uint32(0x00400000), e << 23))
-    return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _dequantize_mxfp8(codes, e, fmt, out_dtype: str, keep):
-    """As :func:`fp8kv.reference.dequantize_mxfp8`, zeros where ``keep`` is False: the product
-    by ``2**(e - 127)`` with :func:`mul_rn` (exact for a subnormal scale or product)."""
+def _mxfp8_values(codes, e, fmt):
+    """fp32 values of mxfp8 codes, as :func:`fp8kv.reference.dequantize_mxfp8`: the product by
+    ``2**(e - 127)`` with :func:`mul_rn` (exact for a subnormal scale or product)."""
     v = lax.bitcast_convert_type(codes, jnp.dtype(fmt.dtype)).astype(jnp.float32)
     size = fmt.blocks.size
     v = v.reshape(v.shape[:-1] + (v.shape[-1] // size, size))
-    v = mul_rn(v, _e8m0_values(e)[..., None]).reshape(codes.shape)
-    return _round_output(v, out_dtype, keep)
+    e = e.astype(jnp.uint32)   # the E8M0 byte 0 is the subnormal 2**-127, 0xFF is NaN
+    bits = jnp.where(e == 255, jnp.uint32(CANONICAL_NAN_BITS["float32"]),
+                     jnp.where(e == 0, jnp.uint32(0x00400000), e << 23))
+    return mul_rn(v, lax.bitcast_convert_type(bits, jnp.float32)[..., None]).reshape(codes.shape)
 
 
 def _quantize_side(x, array, scale: SideScale, args):
-    """``(codes [T, H, D or D + pad], dynamic scales or None)`` of one side."""
+    """``(codes [T, H, D or D + pad], the scales stored or None)`` of one side."""
+    if args.fmt.packed:
+        return _quantize_nvfp4(x, _scale(array, scale, 1))
     if scale.dynamic is ScaleKind.BLOCK:
         return _quantize_mxfp8(x, args.fmt)
     if not scale.is_dynamic:
@@ -195,8 +179,6 @@ def write_kv(arrays: dict, *, args) -> dict:
     """The updated arrays by argument name, from ``arrays`` (the call's, by argument name; None
     for an absent scale): the caches (``kv_cache`` when ``args.combined``), then each side
     scale array given."""
-    if args.fmt.packed:
-        return _write_nvfp4(arrays, args)
     combined = args.combined
     slots = arrays["slots"]
     qk, sk = _quantize_side(arrays["key"], arrays["key_scale"], args.key_scale, args)
@@ -213,24 +195,23 @@ def write_kv(arrays: dict, *, args) -> dict:
     for side, s, scale in (("key", sk, args.key_scale), ("value", sv, args.value_scale)):
         if scale.stored is not None:
             # A side array is indexed as its cache without head_dim (block scales: as its cache);
-            # a per-token one ([P, S] in
-            # either layout) as an NHD cache without heads.
+            # a per-token one ([P, S] in either layout) as an NHD cache without heads.
             layout = args.layout if scale.dynamic is not ScaleKind.TOKEN else "NHD"
-            sc = arrays[f"{side}_scale_cache"]
-            out[f"{side}_scale_cache"] = sc.at[_layered(layer, _slot_index(
-                slots, args.key_cache, layout, rank, False))].set(s, mode="drop")
+            index = _layered(layer, _slot_index(slots, args.key_cache, layout, rank, False))
+            out[f"{side}_scale_cache"] = _scatter(arrays[f"{side}_scale_cache"], index, s)
     return out
 
 
-def _gather(cache, index, num_pages: int, layer=None):
-    """Pages ``index`` of ``cache`` (of its layer ``layer`` if stacked) as bytes; indices past the
-    end give zero bytes."""
-    raw = lax.bitcast_convert_type(cache, jnp.uint8)
+def _gather(array, index, num_pages: int, layer=None, fill=0):
+    """Pages ``index`` of ``array`` (of its layer ``layer`` if stacked), one-byte dtypes as
+    bytes; indices past the end give ``fill``."""
+    if array.dtype.itemsize == 1:
+        array = lax.bitcast_convert_type(array, jnp.uint8)
     stacked = layer is not None
-    if num_pages == 0 or (stacked and raw.shape[0] == 0):
+    if num_pages == 0 or (stacked and array.shape[0] == 0):
         # XLA cannot gather from an empty axis; every entry is padding anyway
-        return jnp.zeros(index.shape + raw.shape[1 + stacked:], jnp.uint8)
-    return raw.at[_layered(layer, (index,))].get(mode="fill", fill_value=0)
+        return jnp.full(index.shape + array.shape[1 + stacked:], fill, array.dtype)
+    return array.at[_layered(layer, (index,))].get(mode="fill", fill_value=fill)
 
 
 def _stored_scales(scale_cache, codes, index, num_pages, kind, args, layer=None):
@@ -239,10 +220,7 @@ def _stored_scales(scale_cache, codes, index, num_pages, kind, args, layer=None)
         d = args.key_cache.head_dim
         s = lax.bitcast_convert_type(codes[..., d:d + 4], jnp.float32)
         return codes[..., :d], s[..., None]
-    if num_pages == 0 or (layer is not None and scale_cache.shape[0] == 0):
-        s = jnp.ones(index.shape + scale_cache.shape[1 + (layer is not None):], jnp.float32)
-    else:
-        s = scale_cache.at[_layered(layer, (index,))].get(mode="fill", fill_value=1.0)
+    s = _gather(scale_cache, index, num_pages, layer, fill=1.0)
     if kind is ScaleKind.TOKEN and args.cache_rank == 4:   # [N, page_size]
         s = s[:, :, None] if args.layout == "NHD" else s[:, None, :]
     elif kind is ScaleKind.TOKEN:                           # [N]
@@ -254,16 +232,22 @@ def _stored_scales(scale_cache, codes, index, num_pages, kind, args, layer=None)
 def dequantize_pages(arrays: dict, *, args) -> dict:
     """The outputs by argument name (``key_out``, ``value_out``, ``table_out``; ``kv_out``,
     ``table_out`` when ``args.combined``) from ``arrays`` (the call's, by argument name)."""
-    if args.fmt.packed:
-        return _dequantize_nvfp4(arrays, args)
     num_pages = args.key_cache.num_pages
     block_table = arrays["block_table"]
-    keep, index = _pages_read(block_table, num_pages, args.null_page)
+    # The entries that name a page (not padding, past the cache or null_page); the others read
+    # page num_pages, one past the cache.
+    entries = block_table.reshape(-1)
+    keep = _in_range(entries, num_pages)
+    info = jnp.iinfo(entries.dtype)
+    if args.null_page is not None and info.min <= args.null_page <= info.max:
+        keep &= entries != args.null_page
+    index = jnp.where(keep, entries, num_pages)
     layer = _layer_index(arrays, args.layers)
     if layer is not None:   # an out-of-range layer reads nothing: zero pages (not 0 * scale)
         keep &= layer < args.layers.num_layers
     keep = keep.reshape((-1,) + (1,) * (args.cache_rank - 1))
-    trailing = 2 if args.layout == "HND" and args.cache_rank == 4 else 1  # dims after the heads
+    # The static scale broadcasts against the dims after the heads (nvfp4: [..., D/16, 16]).
+    trailing = (2 if args.layout == "HND" and args.cache_rank == 4 else 1) + args.fmt.packed
     if args.combined:
         pages = _gather(arrays["kv_cache"], index, num_pages, layer)
         codes = pages[:, 0], pages[:, 1]
@@ -271,16 +255,25 @@ def dequantize_pages(arrays: dict, *, args) -> dict:
         codes = (_gather(arrays["key_cache"], index, num_pages, layer),
                  _gather(arrays["value_cache"], index, num_pages, layer))
     sides = []
-    for c, side, scale in ((codes[0], "key", args.key_scale), (codes[1], "value", args.value_scale)):
+    for c, side, scale in zip(codes, ("key", "value"), (args.key_scale, args.value_scale)):
         s = _scale(arrays[f"{side}_scale"], scale, trailing)
-        if scale.dynamic is ScaleKind.BLOCK:   # mxfp8: the block scales' bytes, as the codes
-            e = _gather(arrays[f"{side}_scale_cache"], index, num_pages, layer)
-            sides.append(_dequantize_mxfp8(c, e, args.fmt, args.out_dtype, keep))
-            continue
-        if scale.is_dynamic:
-            c, s = _stored_scales(arrays[f"{side}_scale_cache"], c, index, num_pages,
-                                  scale.dynamic, args, layer)
-        sides.append(_dequantize(c, s, args.fmt, args.out_dtype, keep))
+        if scale.dynamic is ScaleKind.BLOCK:   # nvfp4, mxfp8: the block scales' bytes, as the codes
+            blocks = _gather(arrays[f"{side}_scale_cache"], index, num_pages, layer)
+            v = (_nvfp4_values(c, blocks, s) if args.fmt.packed
+                 else _mxfp8_values(c, blocks, args.fmt))
+        else:
+            if scale.is_dynamic:
+                c, s = _stored_scales(arrays[f"{side}_scale_cache"], c, index, num_pages,
+                                      scale.dynamic, args, layer)
+            v = lax.bitcast_convert_type(c, jnp.dtype(args.fmt.dtype)).astype(jnp.float32)
+            if s is not None:
+                v = v * s
+        if args.out_dtype == FP8_OUTPUT_DTYPE:   # nvfp4's FP8 workspace
+            q = _quantize(v, _scale(arrays["out_scale"], args.out_scale, 0), E4M3)
+            sides.append(lax.bitcast_convert_type(jnp.where(keep, q, jnp.uint8(0)),
+                                                  jnp.dtype(FP8_OUTPUT_DTYPE)))
+        else:
+            sides.append(_round_output(v, args.out_dtype, keep))
     k, v = sides
     new_table = jnp.arange(block_table.size, dtype=jnp.int32).reshape(block_table.shape)
     if args.combined:
@@ -288,7 +281,6 @@ def dequantize_pages(arrays: dict, *, args) -> dict:
     return {"key_out": k, "value_out": v, "table_out": new_table}
 
 
-# ---------------------------------------------------------------------------------------------
 # rope_write_kv (docs/SPEC.md, section 12)
 
 def mul_rn(a, b):
@@ -367,26 +359,16 @@ def _rotate(x, c, s, args):
     return jnp.concatenate([rotated, x[..., rotary:]], axis=-1)
 
 
-def _rounded(y, dtype: str, ok):
-    """``y`` rounded (RNE) to ``dtype`` with canonical NaNs; all-zero rows where ``ok`` is
-    False."""
-    uint = _UINT[jnp.dtype(dtype).itemsize]
-    bits = lax.bitcast_convert_type(y.astype(dtype), uint)
-    bits = jnp.where(jnp.isnan(y), uint(CANONICAL_NAN_BITS[dtype]), bits)
-    return lax.bitcast_convert_type(jnp.where(ok[:, None, None], bits, uint(0)), jnp.dtype(dtype))
-
-
 @functools.partial(jax.jit, static_argnames=("args",))
 def rope_write_kv(arrays: dict, *, args) -> dict:
     """The outputs by argument name from ``arrays`` (the call's, by argument name): ``query_out``,
     what :func:`write_kv` returns for the rotated key, and ``key_out`` when ``args.key_out``."""
     positions = arrays["positions"]
     ok = _in_range(positions, args.max_position)
-    cs = arrays["cos_sin_cache"]
     if args.max_position == 0:   # every position is out of range (XLA cannot gather from 0 rows)
         rows = jnp.zeros((positions.shape[0], args.rotary_dim), jnp.float32)
     else:
-        rows = cs[jnp.where(ok, positions, 0)].astype(jnp.float32)
+        rows = arrays["cos_sin_cache"][jnp.where(ok, positions, 0)].astype(jnp.float32)
     half = args.rotary_dim // 2
     c, s = rows[:, None, :half], rows[:, None, half:]
     # Query and key heads rotated together (one rotation to compile).
@@ -395,7 +377,7 @@ def rope_write_kv(arrays: dict, *, args) -> dict:
                 c, s, args)
     yq, yk = y[:, :q_heads], y[:, q_heads:]
     if args.query_format is None:
-        query_out = _rounded(yq, args.query.dtype, ok)
+        query_out = _round_output(yq, args.query.dtype, ok[:, None, None])
     else:
         codes = _quantize(yq, _scale(arrays["query_scale"], args.query_scale, 0), args.query_format)
         codes = jnp.where(ok[:, None, None], codes, jnp.uint8(0))
@@ -404,7 +386,7 @@ def rope_write_kv(arrays: dict, *, args) -> dict:
     out = write_kv({**arrays, "key": yk, "slots": slots}, args=args.write)
     out["query_out"] = query_out
     if args.key_out is not None:
-        out["key_out"] = _rounded(yk, args.write.key.dtype, ok)
+        out["key_out"] = _round_output(yk, args.write.key.dtype, ok[:, None, None])
     return out
 
 
@@ -444,27 +426,6 @@ def _quantize_nvfp4(x, g):
     return code[..., 0::2] | (code[..., 1::2] << 4), sf
 
 
-def _write_nvfp4(arrays: dict, args) -> dict:
-    """:func:`write_kv` of an nvfp4 cache: codes into the cache, block scales into the
-    ``*_scale_cache`` arrays."""
-    combined = args.combined
-    slots = arrays["slots"]
-    qk, bk = _quantize_nvfp4(arrays["key"], _scale(arrays["key_scale"], args.key_scale, 1))
-    qv, bv = _quantize_nvfp4(arrays["value"], _scale(arrays["value_scale"], args.value_scale, 1))
-    cache = arrays["kv_cache" if combined else "key_cache"]
-    rank = cache.ndim - combined
-    index = _slot_index(slots, args.key_cache, args.layout, rank, combined)
-    if combined:
-        out = {"kv_cache": _scatter(cache, index, jnp.stack([qk, qv], axis=1))}
-    else:
-        out = {"key_cache": _scatter(cache, index, qk),
-               "value_cache": _scatter(arrays["value_cache"], index, qv)}
-    index = _slot_index(slots, args.key_cache, args.layout, rank, False)
-    out["key_scale_cache"] = _scatter(arrays["key_scale_cache"], index, bk)
-    out["value_scale_cache"] = _scatter(arrays["value_scale_cache"], index, bv)
-    return out
-
-
 def _nvfp4_values(codes, blocks, g):
     """fp32 ``(e2m1 * block scale) * g`` of gathered codes ``[..., D/2]`` and block scales
     ``[..., D/16]``; ``g`` broadcasts against ``[..., D/16, 16]``."""
@@ -479,50 +440,6 @@ def _nvfp4_values(codes, blocks, g):
     return v.reshape(codes.shape[:-1] + (2 * codes.shape[-1],))
 
 
-def _pages_read(block_table, num_pages: int, null_page):
-    """Which block-table entries name a page (not padding, past the cache or ``null_page``), and
-    the page each reads: ``num_pages`` (one past the cache) for the others."""
-    entries = block_table.reshape(-1)
-    keep = _in_range(entries, num_pages)
-    info = jnp.iinfo(entries.dtype)
-    if null_page is not None and info.min <= null_page <= info.max:
-        keep &= entries != null_page
-    return keep, jnp.where(keep, entries, num_pages)
-
-
-def _dequantize_nvfp4(arrays: dict, args) -> dict:
-    """:func:`dequantize_pages` of an nvfp4 cache (bf16/fp16/fp32 or an e4m3 workspace)."""
-    num_pages = args.key_cache.num_pages
-    block_table = arrays["block_table"]
-    keep, index = _pages_read(block_table, num_pages, args.null_page)
-    keep = keep.reshape((-1,) + (1,) * (args.cache_rank - 1))
-    # The global scale broadcasts against [N, (S,) H, (S,) D/16, 16]: dims after the heads.
-    trailing = 3 if args.layout == "HND" and args.cache_rank == 4 else 2
-    if args.combined:
-        pages = _gather(arrays["kv_cache"], index, num_pages)
-        codes = pages[:, 0], pages[:, 1]
-    else:
-        codes = (_gather(arrays["key_cache"], index, num_pages),
-                 _gather(arrays["value_cache"], index, num_pages))
-    sides = []
-    for c, side, scale in ((codes[0], "key", args.key_scale),
-                           (codes[1], "value", args.value_scale)):
-        blocks = _gather(arrays[f"{side}_scale_cache"], index, num_pages)
-        v = _nvfp4_values(c, blocks, _scale(arrays[f"{side}_scale"], scale, trailing))
-        if args.out_dtype == FP8_OUTPUT_DTYPE:
-            q = _quantize(v, _scale(arrays["out_scale"], args.out_scale, 0), E4M3)
-            sides.append(lax.bitcast_convert_type(jnp.where(keep, q, jnp.uint8(0)),
-                                                  jnp.dtype(FP8_OUTPUT_DTYPE)))
-        else:
-            sides.append(_round_output(v, args.out_dtype, keep))
-    k, v = sides
-    new_table = jnp.arange(block_table.size, dtype=jnp.int32).reshape(block_table.shape)
-    if args.combined:
-        return {"kv_out": jnp.stack([k, v], axis=1), "table_out": new_table}
-    return {"key_out": k, "value_out": v, "table_out": new_table}
-
-
-# ---------------------------------------------------------------------------------------------
 # paged_attention (docs/SPEC.md section 16)
 
 def _attention_values(given: dict, args):
@@ -547,12 +464,9 @@ def _attention_values(given: dict, args):
                          args.value_cache, args.fmt, "float32", args.layout, args.cache_rank,
                          None, args.key_scale, args.value_scale, args.combined, args.inline_pad,
                          None, args.layers)
-        full = dict(given)
-        for n in ("key_scale", "value_scale", "key_scale_cache", "value_scale_cache", "layer",
-                  "key_cache", "value_cache", "kv_cache"):
-            full.setdefault(n, None)
-        full["out_scale"] = None
-        out = dequantize_pages(full, args=dq)
+        absent = ("key_scale", "value_scale", "key_scale_cache", "value_scale_cache", "layer",
+                  "key_cache", "value_cache", "kv_cache", "out_scale")
+        out = dequantize_pages({**dict.fromkeys(absent), **given}, args=dq)
         pages = ((out["kv_out"][:, 0], out["kv_out"][:, 1]) if args.combined
                  else (out["key_out"], out["value_out"]))
     result = []

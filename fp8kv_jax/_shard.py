@@ -1,17 +1,14 @@
-"""Sharded caches under plain ``jax.jit``: a partitioning rule for every call (docs/SPEC.md section 15).
+"""Sharded caches under ``jax.jit``: a partitioning rule for every call (docs/SPEC.md section 15).
 
 A custom call without a rule makes XLA gather its whole operands onto every device. Each call is
 therefore a ``jax.experimental.custom_partitioning`` function whose rule keeps the caches where
-they are: the cache's sharding decides, each of its dimensions has a role (layers ``l``, pages
-``p``, the combined K/V axis ``k``, slots in a page ``s``, kv heads ``h``, row bytes ``c``), and
-every other array of the call is sharded by the same roles (``key``'s heads with the cache's
-heads, a query's heads with them too, ...): the op table (:mod:`fp8kv.optable`) gives each
-array's roles and the cache roles each op may split. A write (``rope_write_kv`` too) may be split
-over heads and pages, ``write_kv`` over layers too (a device writes the slots of its own pages
-into its own layers: slots and layer are shifted by its shard's offset, and the kernels skip what
-falls outside), a dequantize over heads; any other cache sharding raises, naming
-``jax.shard_map``. Each device runs the call on its shards through the same path as one device,
-validated and planned for the shard's shapes.
+they are: each cache dimension has a role (layers ``l``, pages ``p``, the combined K/V axis ``k``,
+slots in a page ``s``, kv heads ``h``, row bytes ``c``), every other array of the call is sharded
+by the same roles, and the op table (:mod:`fp8kv.optable`) gives each array's roles and the cache
+roles each op may split; any other cache sharding raises, naming ``jax.shard_map``. A device
+writing into its own pages or layers gets slots and layer shifted by its shard's offset (the
+kernels skip what falls outside). Each device runs the call on its shards through the same path
+as one device, validated and planned for the shard's shapes.
 
 On one device (and under ``shard_map``) the rule is not used: the call is inlined as it is.
 """
@@ -36,8 +33,7 @@ _IMPLS = {"triton": _triton, "jnp": _jnp}
 
 
 class Call(NamedTuple):
-    """A frontend call, static: the validated arguments of the whole (unsharded) arrays, which
-    arrays it passes (by name, in order) and which it returns, and every other argument."""
+    """A frontend call, static (the partitioned function's first argument)."""
 
     op: str          # its name in the op table
     impl: str        # "triton" | "jnp"
@@ -54,28 +50,22 @@ class Call(NamedTuple):
         return OPS[self.op].paged_args(self.args)
 
 
-def needed(arrays) -> bool:
-    """Whether a call may be partitioned: under a trace (a mesh is known only when lowering), or
-    concrete arrays on several devices."""
-    arrays = [a for a in arrays if isinstance(a, jax.Array)]
-    return any(isinstance(a, jax.core.Tracer) for a in arrays) or any(
-        len(a.sharding.device_set) > 1 for a in arrays)
-
-
 def run(op: str, impl, given: dict, args, outputs: tuple, options: dict) -> dict:
     """``impl``'s ``op`` on ``given`` (by argument name; None where absent), through the
     partitioning rule where the arrays may be sharded; the results by name."""
-    if not needed(given.values()):
-        return impl.launch(OPS[op].family, given, args=args)
     names = tuple(n for n, a in given.items() if isinstance(a, jax.Array))
+    arrays = [given[n] for n in names]
+    # Under a trace the mesh is known only when lowering: the rule decides there.
+    traced = any(isinstance(a, jax.core.Tracer) for a in arrays)
+    if not traced and all(len(a.sharding.device_set) == 1 for a in arrays):
+        return impl.launch(OPS[op].family, given, args=args)
     paged = OPS[op].paged_args(args)
     cache = given["kv_cache"] if paged.combined else given["key_cache"]
     rank = cache.ndim - paged.combined - (paged.layers is not None)
     call = Call(op, "triton" if impl is _triton else "jnp", args, names,
                 tuple(n for n, a in given.items() if a is None), outputs,
                 tuple(sorted(options.items())), rank)
-    arrays = [given[n] for n in names]
-    if any(isinstance(a, jax.core.Tracer) for a in arrays):
+    if traced:
         results = _partitioned(call, *arrays)
     else:   # concrete arrays on several devices: partitioned as a jitted call
         results = jax.jit(_partitioned, static_argnums=0)(call, *arrays)
@@ -109,10 +99,8 @@ def _cache_roles(call: Call, stacked: bool, scale_side=None) -> tuple:
     args = call.paged
     if call.cache_rank == 3:
         page = ("p", "h", "c")
-    elif args.layout == "NHD":
-        page = ("p", "s", "h", "c")
     else:
-        page = ("p", "h", "s", "c")
+        page = tuple("pshc" if args.layout == "NHD" else "phsc")
     if scale_side is not None:
         kind = getattr(args, f"{scale_side}_scale").dynamic
         if kind is not ScaleKind.BLOCK:   # block scales (nvfp4) have the cache's dimensions
@@ -140,11 +128,6 @@ def roles(call: Call, name: str, ndim: int) -> tuple:
     return tuple(arg.dims.split())
 
 
-def _spec_of(sharding, ndim: int) -> tuple:
-    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-    return spec + (None,) * (ndim - len(spec))
-
-
 def _split(call: Call, mesh, arg_shapes) -> dict:
     """``{role: mesh axes}`` of the cache's sharding; raises for a role the call cannot split."""
     name = "kv_cache" if call.paged.combined else "key_cache"
@@ -152,7 +135,8 @@ def _split(call: Call, mesh, arg_shapes) -> dict:
     cache_roles = roles(call, name, len(shape.shape))
     entry = OPS[call.op]
     split = {}
-    for role, axes in zip(cache_roles, _spec_of(shape.sharding, len(shape.shape))):
+    spec = shape.sharding.spec if isinstance(shape.sharding, NamedSharding) else ()
+    for role, axes in zip(cache_roles, spec):   # a spec may leave out trailing dimensions
         if axes is None:
             continue
         if role not in entry.splits:
@@ -178,14 +162,18 @@ def _sharding(call: Call, mesh, name: str, ndim: int, split: dict) -> NamedShard
                                    for r in roles(call, name, ndim))))
 
 
+def _infer(call: Call, mesh, arg_shapes, result_shape):
+    split = _split(call, mesh, arg_shapes)
+    results = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
+    return tuple(_sharding(call, mesh, n, len(s.shape), split)
+                 for n, s in zip(call.outputs, results))
+
+
 def _partition(call: Call, mesh, arg_shapes, result_shape):
     split = _split(call, mesh, arg_shapes)
     arg_shardings = tuple(_sharding(call, mesh, n, len(s.shape), split)
                           for n, s in zip(call.names, arg_shapes))
-    results = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
-    result_shardings = tuple(_sharding(call, mesh, n, len(s.shape), split)
-                             for n, s in zip(call.outputs, results))
-    stacked = call.paged.layers is not None
+    result_shardings = _infer(call, mesh, arg_shapes, result_shape)
     cache_name = "kv_cache" if call.paged.combined else "key_cache"
     cache_roles = roles(call, cache_name, 0)
 
@@ -196,20 +184,13 @@ def _partition(call: Call, mesh, arg_shapes, result_shape):
             per_page = 1 if call.cache_rank == 3 else call.paged.key_cache.page_size
             first = jax.lax.axis_index(split["p"]) * cache.shape[cache_roles.index("p")]
             local["slots"] = local["slots"] - (first * per_page).astype(local["slots"].dtype)
-        if "l" in split and stacked:   # this device's layers
+        if "l" in split:   # this device's layers (only a stacked cache has the role)
             layer = local.get("layer", dict(call.options).get("layer"))
             first = jax.lax.axis_index(split["l"]) * cache.shape[0]
             local["layer"] = (jnp.asarray(layer, jnp.int32) - first).astype(jnp.int32)
         return _local(call, local)
 
     return mesh, lower, result_shardings, arg_shardings
-
-
-def _infer(call: Call, mesh, arg_shapes, result_shape):
-    split = _split(call, mesh, arg_shapes)
-    results = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
-    return tuple(_sharding(call, mesh, n, len(s.shape), split)
-                 for n, s in zip(call.outputs, results))
 
 
 def _rule(call: Call, mesh, operand_types, result_types):
