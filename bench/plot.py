@@ -75,7 +75,8 @@ def figure(table: Table, copy_gbps: float, bandwidth: bool = True):
             xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(cases))]
             values = [by_case.get(c, 0.0) for c in cases]
             bars = ax_b.bar(xs, values, width, label=label)
-            ax_b.bar_label(bars, [f"{100 * v / copy_gbps:.0f}%" for v in values], fontsize=7)
+            ax_b.bar_label(bars, [f"{100 * v / copy_gbps:.0f}%" if v else "" for v in values],
+                          fontsize=7)
         ax_b.set_xticks(range(len(cases)), cases, rotation=30, ha="right", fontsize=8)
         ax_b.set(ylabel="GB/s (minimal bytes)")
         _copy_line(ax_b, copy_gbps)

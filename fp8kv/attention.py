@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from numbers import Real
 from typing import NamedTuple, Optional
@@ -77,8 +78,9 @@ class Geometry(NamedTuple):
 class Tiles(NamedTuple):
     """``block_m`` query rows x ``warps * block_n`` tokens per step; ``splits`` programs per row
     tile share the tokens; ``m_tiles`` row tiles per (sequence, kv head); ``stages`` the token
-    loop's software pipelining; ``peel``: the first tile is taken before the loop (see
-    ``ATTENTION_SIZES``)."""
+    loop's software pipelining; ``peel``: the first tile is taken before the loop, ``early_v``
+    its V read with its K, ``prefetch`` the tiles after it asked of L2, ``pdl`` the merge
+    launched as a dependent (see ``ATTENTION_SIZES``)."""
 
     block_m: int
     block_n: int
@@ -88,6 +90,8 @@ class Tiles(NamedTuple):
     stages: int
     peel: bool = False
     early_v: bool = False
+    prefetch: int = 0
+    pdl: bool = False
 
 
 class Options(NamedTuple):
@@ -97,7 +101,9 @@ class Options(NamedTuple):
     sinks: bool
     exact: bool
     out_kind: int
-    pipelined: bool      # the token loop is Triton's pipelined range (compiled kernels)
+    pipelined: bool      # compiled kernels: the token loop is Triton's pipelined range, and
+    #                      the L2 prefetch and the dependent launch's waits are emitted (the
+    #                      interpreter has no instruction for them)
     softmax_scale: float  # a model's constants, compiled in (XLA's Triton call compiles in
     cap: float            # every scalar; a host float may not change per call there)
 
@@ -134,7 +140,10 @@ class Constants(NamedTuple):
 # the guarded tile (an empty share reads nothing). ``early_v``: the peeled tile's reads (block
 # table, K, V) are issued before the query is read and scaled; outside the pipeline nothing
 # else would overlap those round trips, which a program of a split call (a few tiles) pays in
-# full.
+# full. ``prefetch``: the K and V rows of that many tiles after the peeled one are asked of L2
+# with it (their block-table entries loaded beside its own), as the pipelined loop only starts
+# its first loads once the peeled tile is done; keys with per-token scales (a side array the
+# prefetch leaves out) read without it.
 # ``fuse_scale``: NVFP4 codes and their block scales become MMA operands in one asm per four
 # bytes (fp16 pairs out), instead of an unpacking asm and fp16 multiplies outside it, around
 # which Triton splits and rejoins every pair: fewer instructions per step in the sm_90 compile,
@@ -142,12 +151,32 @@ class Constants(NamedTuple):
 ATTENTION_SIZES = {
     CUDA: dict(block_m=16, block_n=32, warps=2, stages=5, split_stages=5, split_below=512,
                target_programs=264, min_split_tokens=256, max_splits=64, merge_rows=4,
-               merge_warps=4, peel=True, early_v=True, fuse_scale=True, packed=dict(stages=3)),
+               merge_warps=4, peel=True, early_v=True, prefetch=1, pdl=True, fuse_scale=True,
+               packed=dict(stages=3)),
     INTERPRET: dict(block_m=16, block_n=16, warps=2, stages=1, split_stages=1, split_below=4,
                     target_programs=4, min_split_tokens=16, max_splits=4, merge_rows=16,
-                    merge_warps=1, peel=True, early_v=True, fuse_scale=True, packed={}),
+                    merge_warps=1, peel=True, early_v=True, prefetch=0, pdl=False,
+                    fuse_scale=True, packed={}),
 }
 PEELED_READS = (READ_FP8, READ_NVFP4)
+# ``pdl``: the merge launched as a programmatic dependent of the attention grid (it waits for
+# the grid's end inside, ``gdc_wait``), so its launch overlaps the grid's last programs. Triton's
+# ``launch_pdl`` and its ``gdc_*`` functions are recent: used only where this Triton has them,
+# and ``FP8KV_PDL=0`` turns them off (the same bytes either way; jax-triton launches without the
+# attribute, where the wait returns at once).
+
+
+def _has_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+            and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
+
+
+PDL = os.environ.get("FP8KV_PDL", "1") != "0" and _has_pdl()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,14 +510,16 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
     splits = splits_for(programs, max_context, tile, sizes)
     query = args.query
     key_read = _reading(args, args.key_scale, d, sizes)
+    peel = sizes["peel"] and key_read.kind in PEELED_READS
+    pdl = sizes["pdl"] and splits > 1 and PDL
     consts = Constants(
         QueryRows(query.strides[0], query.strides[1]), _cache(args),
         key_read, _reading(args, args.value_scale, d, sizes),
         Geometry(args.num_heads, args.num_kv_heads, group, d, kc.page_size,
                  args.block_table.strides[1]),
         Tiles(block_m, sizes["block_n"], sizes["warps"], splits, m_tiles,
-              sizes["stages" if splits == 1 else "split_stages"],
-              sizes["peel"] and key_read.kind in PEELED_READS, sizes["early_v"]),
+              sizes["stages" if splits == 1 else "split_stages"], peel, sizes["early_v"],
+              sizes["prefetch"] if peel and key_read.columns == COLUMNS_NONE else 0, pdl),
         Options(args.varlen, args.sliding_window is not None, args.logits_soft_cap is not None,
                 args.sinks, exact, int(OUT_KIND_OF_DTYPE[args.out_dtype]), backend == CUDA,
                 args.softmax_scale, float(args.logits_soft_cap or 1.0)))
@@ -507,7 +538,7 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
                        dict(num_rows=rows),
                        dict(C=consts, BLOCK_D=triton.next_power_of_2(d),
                             ROWS=sizes["merge_rows"]),
-                       kernel="_attention_merge_kernel")
+                       kernel="_attention_merge_kernel", launch_pdl=pdl)
     return AttentionPlan(main, merge, (rows, splits, d), (rows, splits, 2))
 
 

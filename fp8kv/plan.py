@@ -39,6 +39,9 @@ class LaunchPlan:
     # otherwise, jax-triton passes True): every launch says it. The kernels' arithmetic that must
     # round once per step is written with explicit fma / div_rn either way.
     enable_fp_fusion: bool = False
+    # Launched as a programmatic dependent of the stream's previous kernel (torch's launches;
+    # the kernel waits for that one inside): fp8kv.attention.PDL.
+    launch_pdl: bool = False
 
     @property
     def empty(self) -> bool:

@@ -39,8 +39,9 @@ class _Ready:
     def run(self, given: dict) -> None:
         for launcher, kernel, kernel_plan, operands in self.launches:
             call = bind(kernel, kernel_plan, {o.param: given[o.source] for o in operands.params})
+            pdl = dict(launch_pdl=True) if kernel_plan.launch_pdl else {}
             launcher(*call.args, num_warps=kernel_plan.num_warps,
-                     enable_fp_fusion=kernel_plan.enable_fp_fusion, **call.constexprs)
+                     enable_fp_fusion=kernel_plan.enable_fp_fusion, **pdl, **call.constexprs)
 
 
 def run(op: str, named: dict):

@@ -7,6 +7,7 @@ bytes; CUDA graphs, torch.compile; bad inputs.
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -16,6 +17,7 @@ import triton
 torch = pytest.importorskip("torch")
 
 import fp8kv_torch  # noqa: E402
+from fp8kv import attention  # noqa: E402
 from fp8kv.attention import ATTENTION_SIZES, error_bound, plan_attention, splits_for  # noqa: E402
 from fp8kv.attention import paged_attention as reference_attention  # noqa: E402
 from fp8kv.plan import CUDA, INTERPRET  # noqa: E402
@@ -199,6 +201,62 @@ def test_gpu_torch_compile_fullgraph():
     within_bound(compiled(call), c)
 
 
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_dependent_launch_and_prefetch_change_no_byte(monkeypatch):
+    """The merge's dependent launch and the L2 prefetch are hints: with both off (the fallback
+    ``FP8KV_PDL=0`` or a Triton without them gives) a call writes the same bytes."""
+    case = AttentionCase(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                         seq_lens=(4096, 1, 1000))
+    call, c = call_of(case, "cuda")
+    _attention.clear()
+    try:
+        on = attend(call)
+        plan = next(iter(_attention._READY.values())).plan
+        assert plan.merge.launch_pdl == attention.PDL
+        monkeypatch.setattr(attention, "PDL", False)
+        monkeypatch.setitem(ATTENTION_SIZES[CUDA], "prefetch", 0)
+        _attention.clear()
+        off = attend(call)
+        plan = next(iter(_attention._READY.values())).plan
+        tiles = plan.attention.constexprs["C"].tiles
+        assert not plan.merge.launch_pdl and not tiles.pdl and tiles.prefetch == 0
+    finally:
+        monkeypatch.undo()
+        _attention.clear()
+    assert torch.equal(on.view(torch.int16), off.view(torch.int16))
+    within_bound(on, c)
+
+
+def test_dependent_launch_is_planned_for_split_calls_only(monkeypatch):
+    from fp8kv.attention import check_attention
+    from fp8kv.arrays import ArrayInfo
+
+    def plan_of(seq_lens):
+        arrays = {n: ArrayInfo.contiguous(v.shape, v.dtype.name, "cuda:0")
+                  if isinstance(v, np.ndarray) else v
+                  for n, v in build(AttentionCase(seq_lens=seq_lens))["call"].items()}
+        return plan_attention(check_attention(**arrays), CUDA)
+
+    for pdl in (True, False):
+        monkeypatch.setattr(attention, "PDL", pdl)
+        plan_attention.cache_clear()
+        split, whole = plan_of((2000,)), plan_of((3,) * 600)
+        assert split.merge.launch_pdl == split.attention.constexprs["C"].tiles.pdl == pdl
+        assert whole.merge is None and not whole.attention.constexprs["C"].tiles.pdl
+    plan_attention.cache_clear()
+
+
+def test_fp8kv_pdl_0_turns_the_dependent_launch_off():
+    import subprocess
+    import sys
+    code = "import fp8kv.attention as a; print(a.PDL)"
+    env = {**os.environ, "FP8KV_PDL": "0"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert got == "False"
+
+
 def test_plan_splits_small_calls_into_powers_of_two():
     sizes = ATTENTION_SIZES[CUDA]
     assert splits_for(512, 8192, 64, sizes) == 1
@@ -366,7 +424,14 @@ def test_kernels_compile_for_sm90(name, arrays):
         assert "prmt.b32" in ptx and "mul.rn.f16x2" in ptx
     if not name.startswith("mxfp8"):   # mxfp8: IEEE fp32 dots (its operands need fp32)
         assert "mma.sync" in ptx or "wgmma" in ptx
+    tiles = plan.attention.constexprs["C"].tiles
+    # The tiles after the peeled one asked of L2 (where the row prefetches), or nothing.
+    assert ("prefetch.global.L2" in ptx) == (tiles.prefetch > 0)
+    if name == "e4m3":
+        assert tiles.prefetch == ATTENTION_SIZES[CUDA]["prefetch"]
     if plan.merge is not None:
         merge = merge_operands(args)
-        compile_for_hopper(ops._attention_merge_kernel,
-                           {o.param: dtypes[o.source] for o in merge.params}, plan.merge)
+        merged = compile_for_hopper(ops._attention_merge_kernel,
+                                    {o.param: dtypes[o.source] for o in merge.params}, plan.merge)
+        # A dependent launch waits for the attention grid inside the merge.
+        assert ("griddepcontrol.wait" in merged.asm["ptx"]) == plan.merge.launch_pdl

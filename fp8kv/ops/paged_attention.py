@@ -8,7 +8,8 @@ Its ``W`` warps each take ``BLOCK_N`` consecutive tokens of a ``W * BLOCK_N`` ti
 ``W`` dots: no warp waits for another inside the loop) and keep their own online softmax; the
 program merges them at the end. A program whose tokens are all one split writes the output;
 otherwise it writes fp32 partials (``acc``, row max, row sum) that :func:`_attention_merge_kernel`
-combines in split order, so a call gives the same bytes every time.
+combines in split order, so a call gives the same bytes every time (with the plan's ``pdl`` that
+kernel is launched as a programmatic dependent of this grid and waits for it inside).
 
 Reading a tile: the token's page comes from the block table (tokens past the visible range are
 clamped to its last token, so no load reaches an unused page or block-table entry, and their
@@ -28,6 +29,11 @@ from ._dual import jit
 from .codec import (SCALE_HEAD, SCALE_TENSOR, decode, fp32_to_output_bits, max_combine,
                     mxfp8_values)
 from .addressing import LAYER_NONE, at_layer, select_layer, slot_rows
+
+try:   # programmatic dependent launch (Triton >= 3.4; fp8kv.attention.PDL decides its use)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:   # pragma: no cover - the plan never asks for it then
+    gdc_launch_dependents = gdc_wait = None
 
 # The ids of fp8kv.attention: how a side's elements become MMA operands, where its dynamic
 # scales are.
@@ -371,6 +377,56 @@ def read_values(v_rows, sides, live, C: tl.constexpr, GUARD: tl.constexpr):
     return read_tile(sides[1], sides[3], v_rows, live, R_V, FMT, True, EXACT, GUARD)
 
 
+# Ask L2 for one 128-byte line at each address where the predicate holds (a hint: no result,
+# no fault; marked impure so that it is kept).
+_PREFETCH_L2: tl.constexpr = tl.constexpr("""{
+    .reg .pred p;
+    setp.ne.b32 p, $2, 0;
+    @p prefetch.global.L2 [$1];
+    mov.b32 $0, 0;
+}""")
+
+
+@jit
+def _prefetch_l2(ptrs, ok):
+    tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l,r", [ptrs.to(tl.int64, bitcast=True),
+                                                       ok.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@jit
+def pages_ahead(t0, seen, table, C: tl.constexpr):
+    """``(page, slot, ok)`` of the ``T.prefetch`` tiles from ``t0`` (``ok``: inside the share):
+    their block-table entries, loaded (masked) beside the peeled tile's."""
+    G: tl.constexpr = C.geometry
+    T: tl.constexpr = C.tiles
+    end = seen[0]
+    t = t0 + tl.arange(0, T.prefetch * T.warps * T.block_n)
+    ok = t < end
+    page = tl.load(table + (t // G.page_size) * G.stride_table_page, mask=ok, other=0)
+    return page.to(tl.int64), t % G.page_size, ok
+
+
+@jit
+def prefetch_rows(ahead, sides, C: tl.constexpr):
+    """Prefetch into L2 the K and V rows of :func:`pages_ahead`'s tokens: the token loop's
+    first loads then find them there instead of starting their DRAM round trips after the
+    peeled tile's."""
+    CACHE: tl.constexpr = C.cache
+    KEY: tl.constexpr = CACHE.KEY
+    VALUE: tl.constexpr = CACHE.VALUE
+    R_K: tl.constexpr = C.key_read
+    page, slot, ok = ahead
+    ROW_BYTES: tl.constexpr = R_K.head_dim // 2 if R_K.kind == READ_NVFP4 else R_K.head_dim
+    k_rows = slot_rows(page, slot, KEY)[0]
+    v_rows = slot_rows(page, slot, VALUE)[0]
+    k_ptr = sides[0].to(tl.pointer_type(tl.uint8))
+    v_ptr = sides[1].to(tl.pointer_type(tl.uint8))
+    for line in tl.static_range(0, ROW_BYTES, 128):
+        _prefetch_l2(k_ptr + k_rows + line, ok)
+        _prefetch_l2(v_ptr + v_rows + line, ok)
+
+
 @jit
 def attend_tile(state, qm, keys, values, seen, sides, scales, live, C: tl.constexpr,
                 GUARD: tl.constexpr):
@@ -449,6 +505,8 @@ def _paged_attention_kernel(
     G: tl.constexpr = C.geometry
     T: tl.constexpr = C.tiles
     OPT: tl.constexpr = C.options
+    if T.pdl and OPT.pipelined:   # the merge may be launched now: it waits for this grid's end
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     m_tile = pid % T.m_tiles
@@ -510,11 +568,16 @@ def _paged_attention_kernel(
     # read and scaled, so that those round trips overlap instead of following each other.
     GUARD: tl.constexpr = 1 if OPT.pipelined else 2
     if T.peel:
+        PREFETCH: tl.constexpr = T.prefetch > 0 and OPT.pipelined   # (no asm interpreted)
+        if PREFETCH:   # the next tiles' block-table entries, requested with the first's
+            ahead = pages_ahead(start + TILE, seen, table, C)
         first_keys = read_keys(start, seen, sides, table, start < end, C, GUARD)
         if T.early_v:
             first_values = read_values(first_keys[3], sides, start < end, C, GUARD)
         else:
             first_values = None
+        if PREFETCH:
+            prefetch_rows(ahead, sides, C)
 
     q, unscale = _query_rows(query_ptr, q_first + i, h * G.group + rows % G.group, row_ok, Q,
                              R_K, OPT.exact)
@@ -610,6 +673,8 @@ def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, sinks_ptr, num_r
     split order."""
     G: tl.constexpr = C.geometry
     T: tl.constexpr = C.tiles
+    if T.pdl and C.options.pipelined:   # launched before the attention grid ended: wait for it
+        gdc_wait()
     q_row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = q_row < num_rows
     q_row = tl.where(row_ok, q_row, 0).to(tl.int64)
