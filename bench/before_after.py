@@ -1,6 +1,6 @@
 """Before / after: the large calls of one source tree against another's, in one run.
 
-    python bench/before_after.py --old DIR [--rounds 3] [--out DIR]
+    python bench/before_after.py --old DIR [--rounds 3] [--out DIR] [--cases writes|attention]
 
 ``DIR`` is another checkout of fp8kv (e.g. ``git worktree add DIR <commit>``). Each round runs
 this file with ``--measure`` in a fresh process, once with ``DIR`` first on ``PYTHONPATH`` and once
@@ -15,10 +15,14 @@ L2) timed by ``triton.testing.do_bench`` (median) of
 * ``write N``: small writes of 1, 64 and 256 tokens (the graph-replay sizes of a decode step);
 * ``rope 65,536 bf16`` / ``rope 65,536 fp8 query``: ``rope_write_kv`` of 65,536 tokens, 32 query
   heads, the query out in bf16 / as e4m3 codes (``query_scale``);
-* ``nvfp4 write 65,536`` / ``nvfp4 dequantize 16x512``: an NVFP4 cache written, read to bf16.
+* ``nvfp4 write 65,536`` / ``nvfp4 dequantize 16x512``: an NVFP4 cache written, read to bf16;
+
+or, with ``--cases attention``, ``paged_attention`` on the attention table's Llama-3-8B decode
+shapes (32 query heads, 8 kv heads x 128, page 16, pages in random order): e4m3 caches with
+static scales at every batch x context, per-token-head scales, NVFP4 and bf16 at some.
 
 Prints one line per case (median over rounds of each tree and new / old) and writes
-``before_after.csv`` and ``before_after.md`` to ``--out``.
+``before_after.csv`` and ``before_after.md`` (``before_after_attention.*``) to ``--out``.
 """
 from __future__ import annotations
 
@@ -49,6 +53,53 @@ def _graph_us(fns) -> float:
             fn()
     return triton.testing.do_bench(graph.replay, warmup=50, rep=300,
                                    return_mode="median") * 1e3 / len(calls)
+
+
+ATTENTION_CASES = (("e4m3", 1, 8192), ("e4m3", 8, 4096), ("e4m3", 32, 4096), ("e4m3", 64, 2048),
+                   ("e4m3", 256, 1024), ("token-head", 8, 4096), ("token-head", 256, 1024),
+                   ("nvfp4", 64, 2048), ("bf16", 8, 4096), ("bf16", 64, 2048))
+
+
+def measure_attention() -> dict:
+    """``{case: microseconds per call}`` of ``paged_attention`` for the fp8kv on ``sys.path``."""
+    import torch
+
+    import fp8kv_torch
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    out = {}
+    for fmt, batch, context in ATTENTION_CASES:
+        pages = batch * context // PAGE_SIZE
+        shape = (pages, PAGE_SIZE, HEADS, HEAD_DIM)
+        kw = dict(block_table=torch.randperm(pages, device=dev).view(batch, -1).int(),
+                  seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev))
+        query = torch.randn(batch, 4 * HEADS, HEAD_DIM, device=dev).to(torch.bfloat16)
+        if fmt == "bf16":
+            kc = torch.randn(shape, device=dev).to(torch.bfloat16)
+        elif fmt == "nvfp4":
+            kc = torch.randint(0, 256, shape[:-1] + (HEAD_DIM // 2,), dtype=torch.uint8,
+                               device=dev)
+            blocks = shape[:-1] + (HEAD_DIM // 16,)
+            kw.update(key_scale=0.01, value_scale=0.01, cache_format="nvfp4",
+                      key_scale_cache=torch.randint(0x30, 0x40, blocks, dtype=torch.uint8,
+                                                    device=dev),
+                      value_scale_cache=torch.randint(0x30, 0x40, blocks, dtype=torch.uint8,
+                                                      device=dev))
+        else:
+            kc = (torch.randn(shape, device=dev) * 8).to(torch.float8_e4m3fn)
+            if fmt == "token-head":
+                kw.update(key_scale_cache=torch.rand(shape[:-1], device=dev) * 0.01 + 0.001,
+                          value_scale_cache=torch.rand(shape[:-1], device=dev) * 0.01 + 0.001)
+            else:
+                kw.update(key_scale=0.02, value_scale=0.03)
+        vc = torch.randn_like(kc, dtype=torch.float32).to(kc.dtype) if fmt != "nvfp4" else \
+            kc.flip(0)
+        dst = torch.empty_like(query)
+        out[f"attention {fmt} {batch}x{context}"] = _graph_us([
+            lambda: fp8kv_torch.paged_attention(query, kc, vc, out=dst, **kw)])
+        del kc, vc, kw
+    return out
 
 
 def measure() -> dict:
@@ -149,10 +200,10 @@ def _nvfp4(dev, num_pages: int, slots_total: int, tokens: int, sets: int) -> dic
     return out
 
 
-def _run(tree: Path) -> dict:
+def _run(tree: Path, cases: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    done = subprocess.run([sys.executable, __file__, "--measure"], env=env, check=True,
+    done = subprocess.run([sys.executable, __file__, "--measure", cases], env=env, check=True,
                           capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -162,10 +213,11 @@ def main(argv=None) -> None:
     p.add_argument("--old", type=Path, help="the other checkout (the 'before')")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cases", choices=("writes", "attention"), default="writes")
+    p.add_argument("--measure", choices=("writes", "attention"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.measure:
-        print(json.dumps(measure()))
+        print(json.dumps(measure() if args.measure == "writes" else measure_attention()))
         return
     if args.old is None:
         p.error("--old: expected the checkout to compare with")
@@ -173,7 +225,7 @@ def main(argv=None) -> None:
     runs = {"old": [], "new": []}
     for r in range(args.rounds):
         for which in (("old", "new") if r % 2 == 0 else ("new", "old")):
-            runs[which].append(_run(args.old if which == "old" else new))
+            runs[which].append(_run(args.old if which == "old" else new, args.cases))
             print(f"round {r + 1} {which}: {runs[which][-1]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -181,14 +233,15 @@ def main(argv=None) -> None:
         old = statistics.median(m[case] for m in runs["old"])
         now = statistics.median(m[case] for m in runs["new"])
         rows.append((case, old, now, now / old))
-    with open(args.out / "before_after.csv", "w", newline="") as f:
+    stem = "before_after" if args.cases == "writes" else "before_after_attention"
+    with open(args.out / f"{stem}.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["case", "old_us", "new_us", "new_over_old", "rounds"])
         w.writerows([(c, f"{o:.2f}", f"{n:.2f}", f"{q:.4f}", args.rounds) for c, o, n, q in rows])
     lines = [f"Before / after ({args.rounds} alternating rounds, medians, CUDA-graph replay)", "",
              "| case | old (us) | new (us) | new / old |", "| --- | ---: | ---: | ---: |"]
     lines += [f"| {c} | {o:.1f} | {n:.1f} | {q:.3f} |" for c, o, n, q in rows]
-    (args.out / "before_after.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

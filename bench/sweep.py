@@ -129,19 +129,18 @@ def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
 
 
 # Attention: overrides of the CUDA row of ``ATTENTION_SIZES``, read by every format (the row's
-# ``packed`` override set aside); the first (none) is the row. The row's recent changes set back
-# one at a time (L2 prefetch of the tiles after the peeled one, the merge's dependent launch),
-# a deeper prefetch, and more, shorter splits for small calls. Kept short: every candidate is a
-# compile of its own.
+# ``packed`` override set aside); the first (none) is the row. L2 prefetch of none / two tiles
+# after the peeled one, the merge launched plainly, and more, shorter splits for small calls.
+# Kept short: every candidate is a compile of its own.
 ATTENTION_CANDIDATES = (
-    {}, dict(prefetch=0), dict(pdl=False), dict(prefetch=0, pdl=False), dict(prefetch=1),
-    dict(prefetch=4), dict(min_split_tokens=128, target_programs=528),
+    {}, dict(prefetch=0), dict(prefetch=2), dict(pdl=False),
+    dict(min_split_tokens=128, target_programs=528),
 )
 ATTENTION_SWEEP_FORMATS = ("e4m3", "e4m3 token-head", "nvfp4")
 ATTENTION_SWEEP_SHAPES = ((1, 8192), (8, 4096), (32, 4096), (64, 2048), (256, 1024))
 _LABEL_KEYS = (("n", "block_n"), ("w", "warps"), ("s", "stages"), ("ss", "split_stages"),
                ("b", "split_below"), ("t", "target_programs"), ("m", "min_split_tokens"),
-               ("r", "merge_rows"), ("p", "peel"), ("e", "early_v"), ("pf", "prefetch"), ("g", "pdl"),
+               ("r", "merge_rows"), ("p", "peel"), ("pf", "prefetch"), ("g", "pdl"),
                ("f", "fuse_scale"))
 
 
@@ -164,11 +163,10 @@ def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
                   "pipeline stages unsplit / split, `b` split below this many programs, `t` "
                   "the programs splitting aims at, `m` the fewest tokens per split, `r` output "
                   "rows per merge program, `p1` the first tile peeled off the loop (FP8 / NVFP4 "
-                  "keys), `e1` its reads issued before the query's, `pf` the tiles after it "
-                  "prefetched into L2, `g1` the merge launched as a dependent, `f1` NVFP4 "
-                  "block scales "
-                  "applied in the unpacking asm) per shape and cache format; the first "
-                  "candidate is the table's row. NVFP4 reads with each candidate's own "
+                  "keys), `pf` the tiles after it prefetched into L2, `g1` the merge launched "
+                  "as a dependent, `f1` NVFP4 block scales applied in the unpacking asm) per "
+                  "shape and cache format; the first candidate is the table's row. NVFP4 "
+                  "reads with each candidate's own "
                   "stages (the row's `packed` override set aside) unless the label says "
                   "`nvfp4 stages`.",
                   plot="bars")

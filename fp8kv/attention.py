@@ -78,9 +78,9 @@ class Geometry(NamedTuple):
 class Tiles(NamedTuple):
     """``block_m`` query rows x ``warps * block_n`` tokens per step; ``splits`` programs per row
     tile share the tokens; ``m_tiles`` row tiles per (sequence, kv head); ``stages`` the token
-    loop's software pipelining; ``peel``: the first tile is taken before the loop, ``early_v``
-    its V read with its K, ``prefetch`` the tiles after it asked of L2, ``pdl`` the merge
-    launched as a dependent (see ``ATTENTION_SIZES``)."""
+    loop's software pipelining; ``peel``: the first tile is taken before the loop, ``prefetch``
+    the tiles after it asked of L2, ``pdl`` the merge launched as a dependent (see
+    ``ATTENTION_SIZES``)."""
 
     block_m: int
     block_n: int
@@ -89,7 +89,6 @@ class Tiles(NamedTuple):
     m_tiles: int
     stages: int
     peel: bool = False
-    early_v: bool = False
     prefetch: int = 0
     pdl: bool = False
 
@@ -137,10 +136,8 @@ class Constants(NamedTuple):
 # sm_90 compile of the e4m3 Llama decode (5 stages) then fits four programs per SM, not three,
 # and takes fewer instructions per step, for more registers and one tile read outside the
 # pipeline (bench/NOTES.md has the numbers). The interpreter peels too, so that CPU tests run
-# the guarded tile (an empty share reads nothing). ``early_v``: the peeled tile's reads (block
-# table, K, V) are issued before the query is read and scaled; outside the pipeline nothing
-# else would overlap those round trips, which a program of a split call (a few tiles) pays in
-# full. ``prefetch``: the K and V rows of that many tiles after the peeled one are asked of L2
+# the guarded tile (an empty share reads nothing). Every load of the peeled tile and the query
+# is issued before any of them is converted (the kernel says why). ``prefetch``: the K and V rows of that many tiles after the peeled one are asked of L2
 # with it (their block-table entries loaded beside its own), as the pipelined loop only starts
 # its first loads once the peeled tile is done; keys with per-token scales (a side array the
 # prefetch leaves out) read without it.
@@ -151,12 +148,12 @@ class Constants(NamedTuple):
 ATTENTION_SIZES = {
     CUDA: dict(block_m=16, block_n=32, warps=2, stages=5, split_stages=5, split_below=512,
                target_programs=264, min_split_tokens=256, max_splits=64, merge_rows=4,
-               merge_warps=4, peel=True, early_v=True, prefetch=1, pdl=True, fuse_scale=True,
+               merge_warps=4, peel=True, prefetch=1, pdl=True, fuse_scale=True,
                packed=dict(stages=3)),
     INTERPRET: dict(block_m=16, block_n=16, warps=2, stages=1, split_stages=1, split_below=4,
                     target_programs=4, min_split_tokens=16, max_splits=4, merge_rows=16,
-                    merge_warps=1, peel=True, early_v=True, prefetch=0, pdl=False,
-                    fuse_scale=True, packed={}),
+                    merge_warps=1, peel=True, prefetch=0, pdl=False, fuse_scale=True,
+                    packed={}),
 }
 PEELED_READS = (READ_FP8, READ_NVFP4)
 # ``pdl``: the merge launched as a programmatic dependent of the attention grid (it waits for
@@ -518,7 +515,7 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
         Geometry(args.num_heads, args.num_kv_heads, group, d, kc.page_size,
                  args.block_table.strides[1]),
         Tiles(block_m, sizes["block_n"], sizes["warps"], splits, m_tiles,
-              sizes["stages" if splits == 1 else "split_stages"], peel, sizes["early_v"],
+              sizes["stages" if splits == 1 else "split_stages"], peel,
               sizes["prefetch"] if peel and key_read.columns == COLUMNS_NONE else 0, pdl),
         Options(args.varlen, args.sliding_window is not None, args.logits_soft_cap is not None,
                 args.sinks, exact, int(OUT_KIND_OF_DTYPE[args.out_dtype]), backend == CUDA,

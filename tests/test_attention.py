@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -199,6 +200,25 @@ def test_gpu_torch_compile_fullgraph():
     call, c = call_of(case, "cuda")
     compiled = torch.compile(lambda kw: attend(kw), fullgraph=True)
     within_bound(compiled(call), c)
+
+
+@pytest.mark.parametrize("seq_lens", [(40, 3), (200,)], ids=["unsplit", "split"])
+@pytest.mark.parametrize("warps", [1, 4])
+def test_other_warp_counts_merge_their_states(warps, seq_lens, device, monkeypatch):
+    """The size tables use two warps (their states summed in one exchange); other counts take
+    the generic merge of the warps' states: split and unsplit calls stay within the bound."""
+    monkeypatch.setitem(ATTENTION_SIZES[INTERPRET if device == "cpu" else CUDA], "warps", warps)
+    case = AttentionCase(seq_lens=seq_lens, head_dim=32, page_size=8, scale="token_head")
+    call, c = call_of(case, device)
+    _attention.clear()
+    try:
+        within_bound(attend(call), c)
+        plan = next(iter(_attention._READY.values())).plan
+        assert plan.attention.constexprs["C"].tiles.warps == warps
+        assert (plan.merge is None) == (len(seq_lens) == 2 or device != "cpu")
+    finally:
+        monkeypatch.undo()
+        _attention.clear()
 
 
 @requires_cuda
@@ -393,6 +413,16 @@ def _compile_variants():
     ]
 
 
+def operands_before_last_load(ptx: str) -> int:
+    """``ldmatrix`` instructions (a tile's bytes reaching an MMA operand's layout) before the
+    last 128-bit global load that precedes the first MMA (the PTX keeps that order: no load
+    moves across the barrier that guards the shared-memory round trip)."""
+    head = ptx[:ptx.index("mma.sync")]
+    marks = re.findall(r"ld\.global\.v4\.b32|ldmatrix", head)
+    last = max(k for k, m in enumerate(marks) if m != "ldmatrix")
+    return marks[:last].count("ldmatrix")
+
+
 @pytest.mark.parametrize("name, arrays", [pytest.param(n, a, id=n) for n, a in _compile_variants()])
 def test_kernels_compile_for_sm90(name, arrays):
     from fp8kv import ops
@@ -420,11 +450,15 @@ def test_kernels_compile_for_sm90(name, arrays):
         # peeled query in registers; 3.8 keeps its shared buffer too (57,856 bytes: 3 per SM).
         if not triton.__version__.startswith("3.8."):
             assert compiled.metadata.shared <= 56 * 1024
+    tiles = plan.attention.constexprs["C"].tiles
+    if tiles.peel:
+        # The query's and the peeled tile's bytes (and the scales) are all requested before any
+        # of them is converted (a conversion's barrier would wait for them).
+        assert operands_before_last_load(ptx) == 0
     if name == "nvfp4":   # codes times block scales in one asm, fp16 pairs out
         assert "prmt.b32" in ptx and "mul.rn.f16x2" in ptx
     if not name.startswith("mxfp8"):   # mxfp8: IEEE fp32 dots (its operands need fp32)
         assert "mma.sync" in ptx or "wgmma" in ptx
-    tiles = plan.attention.constexprs["C"].tiles
     # The tiles after the peeled one asked of L2 (where the row prefetches), or nothing.
     assert ("prefetch.global.L2" in ptx) == (tiles.prefetch > 0)
     if name == "e4m3":

@@ -223,93 +223,135 @@ def _load(ptrs, mask, other, live, GUARD: tl.constexpr):
 
 
 @jit
-def read_tile(cache_ptr, side_ptr, rows, live, R: tl.constexpr, F: tl.constexpr,
-              TRANSPOSED: tl.constexpr, EXACT: tl.constexpr, GUARD: tl.constexpr):
-    """``(tile, columns)``: the ``[W, BLOCK_N, D]`` MMA operand of one side's tokens and their
-    dynamic scales ``[W, BLOCK_N]`` (1.0 without). ``rows``: their rows' offsets in the cache
-    and in the side array (:func:`fp8kv.ops.addressing.slot_rows`; the pointers are at the
-    program's kv head); ``F``: the cache's codec. With ``GUARD``, nothing is read unless
-    ``live`` (zeros instead)."""
-    rows, srows = rows
-    if R.kind != READ_PLAIN:   # codes and inline scales are bytes, whatever the cache's dtype
+def load_codes(cache_ptr, rows, live, R: tl.constexpr, EXACT: tl.constexpr,
+               GUARD: tl.constexpr):
+    """One side's codes of a tile as stored, ``[W, BLOCK_N, D]`` (NVFP4: ``D / 2`` bytes; a
+    bf16 / fp16 cache's bits where the interpreter would read them). ``rows``: their rows'
+    offsets in the cache (:func:`fp8kv.ops.addressing.slot_rows`; the pointer is at the
+    program's kv head). With ``GUARD``, nothing is read unless ``live`` (zeros instead)."""
+    if R.kind != READ_PLAIN:   # codes are bytes, whatever the cache's dtype
         cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint8))
-    d = tl.arange(0, R.block_d)
+    elif EXACT:   # the interpreter's bf16 is wrong: its bits
+        cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint16))
     if R.kind == READ_NVFP4:
-        dh = tl.arange(0, R.block_d // 2)
-        codes = _load(cache_ptr + rows[:, :, None] + dh[None, None, :],
-                      (dh < R.head_dim // 2)[None, None, :], 0, live, GUARD)
+        d = tl.arange(0, R.block_d // 2)
+        codes = _load(cache_ptr + rows[:, :, None] + d[None, None, :],
+                      (d < R.head_dim // 2)[None, None, :], 0, live, GUARD)
+    else:
+        d = tl.arange(0, R.block_d)
+        if R.block_d == R.head_dim:
+            codes = _load(cache_ptr + rows[:, :, None] + d[None, None, :], None, None, live,
+                          GUARD)
+        else:   # head_dim 80, 96, ...: the tile's padding columns are zeros
+            codes = _load(cache_ptr + rows[:, :, None] + d[None, None, :],
+                          (d < R.head_dim)[None, None, :], 0, live, GUARD)
+    return codes
+
+
+@jit
+def load_scales(cache_ptr, side_ptr, rows, live, R: tl.constexpr, F: tl.constexpr,
+                GUARD: tl.constexpr):
+    """``(blocks, columns)``: the block scales of a tile's codes (NVFP4: e4m3 ``[W, BLOCK_N,
+    D / 16]``; MXFP8: each column's E8M0, ``[W, BLOCK_N, D]``; else 0) and the tokens' dynamic
+    scales ``[W, BLOCK_N]`` (1.0 without), as :func:`load_codes` reads codes; ``rows``: the
+    rows' offsets in the cache and in the side array."""
+    rows, srows = rows
+    blocks = 0
+    if R.kind == READ_NVFP4:
         db = tl.arange(0, R.block_d // 16)
-        scales = _load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
+        blocks = _load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
                        + db[None, None, :], (db < R.head_dim // 16)[None, None, :], 0, live,
                        GUARD)
-        BLOCK_CODES: tl.constexpr = F.BLOCK_SCALE   # (a nested constexpr is passed by name)
-        tile = fp16_of_nvfp4(codes, scales, BLOCK_CODES, EXACT, R.fuse_scale, TRANSPOSED)
-    else:
-        if R.kind == READ_PLAIN and EXACT:   # the interpreter's bf16 is wrong: its bits, to fp32
-            cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint16))
-        if R.block_d == R.head_dim:
-            tile = _load(cache_ptr + rows[:, :, None] + d[None, None, :], None, None, live,
-                         GUARD)
-        else:   # head_dim 80, 96, ...: the tile's padding columns are zeros
-            tile = _load(cache_ptr + rows[:, :, None] + d[None, None, :],
-                         (d < R.head_dim)[None, None, :], 0, live, GUARD)
-        if R.kind == READ_PLAIN and EXACT:
-            tile = plain_to_fp32(tile, R.plain_bf16)
-    if R.kind == READ_FP8:
-        tile = fp16_of_fp8(tile, F, TRANSPOSED, EXACT)
-    if R.kind == READ_MXFP8:   # e4m3 values times their blocks' 2**(e - 127), exact in fp32
-        e = _load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
-                  + (d // F.BLOCK_SIZE)[None, None, :], (d < R.head_dim)[None, None, :], 127,
-                  live, GUARD)
-        tile = mxfp8_values(decode(tile.to(tl.int32), F, EXACT), e.to(tl.int32), EXACT)
+    elif R.kind == READ_MXFP8:   # each column's block exponent (padding: 2**0)
+        d = tl.arange(0, R.block_d)
+        blocks = _load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
+                       + (d // F.BLOCK_SIZE)[None, None, :], (d < R.head_dim)[None, None, :],
+                       127, live, GUARD)
     if R.columns == COLUMNS_ARRAY:
         columns = _load(side_ptr + srows, None, None, live, GUARD)
     elif R.columns == COLUMNS_INLINE:   # the fp32 after the row's head_dim codes
-        columns = _load((cache_ptr + rows + R.head_dim).to(tl.pointer_type(tl.float32)), None,
-                        None, live, GUARD)
+        columns = _load((cache_ptr.to(tl.pointer_type(tl.uint8)) + rows + R.head_dim)
+                        .to(tl.pointer_type(tl.float32)), None, None, live, GUARD)
     else:
         columns = 1.0
+    return blocks, columns
+
+
+@jit
+def load_tile(cache_ptr, side_ptr, rows, live, R: tl.constexpr, F: tl.constexpr,
+              EXACT: tl.constexpr, GUARD: tl.constexpr):
+    """``(codes, blocks, columns)``: one side's bytes of a tile, as :func:`load_codes` and
+    :func:`load_scales` read them. :func:`tile_operand` makes the MMA operand: apart, so that
+    a tile outside the pipelined loop can issue every load before its first conversion waits
+    for bytes."""
+    codes = load_codes(cache_ptr, rows[0], live, R, EXACT, GUARD)
+    blocks, columns = load_scales(cache_ptr, side_ptr, rows, live, R, F, GUARD)
+    return codes, blocks, columns
+
+
+@jit
+def tile_operand(raw, R: tl.constexpr, F: tl.constexpr, TRANSPOSED: tl.constexpr,
+                 EXACT: tl.constexpr):
+    """``(tile, columns)``: the MMA operand of :func:`load_tile`'s bytes ``raw`` and the tokens'
+    dynamic scales; ``F``: the cache's codec."""
+    codes, blocks, columns = raw
+    if R.kind == READ_NVFP4:
+        BLOCK_CODES: tl.constexpr = F.BLOCK_SCALE   # (a nested constexpr is passed by name)
+        tile = fp16_of_nvfp4(codes, blocks, BLOCK_CODES, EXACT, R.fuse_scale, TRANSPOSED)
+    elif R.kind == READ_FP8:
+        tile = fp16_of_fp8(codes, F, TRANSPOSED, EXACT)
+    elif R.kind == READ_MXFP8:   # e4m3 values times their blocks' 2**(e - 127), exact in fp32
+        tile = mxfp8_values(decode(codes.to(tl.int32), F, EXACT), blocks.to(tl.int32), EXACT)
+    elif EXACT:   # READ_PLAIN: fp32 of the bits
+        tile = plain_to_fp32(codes, R.plain_bf16)
+    else:
+        tile = codes
     return tile, columns
 
 
 @jit
-def _query_rows(query_ptr, q_token, q_head, row_ok, Q: tl.constexpr, R_K: tl.constexpr,
-                EXACT: tl.constexpr):
-    """``(operand, unscale)``: the ``[BLOCK_M, D]`` query rows as the MMA's A operand -- as stored
-    for a bf16/fp16 cache, else fp16 times ``2**k`` with ``k`` putting the largest ``|q|`` in
-    ``[2**14, 2**15)`` (bf16 values then round only below ``2**-25`` of it) -- and ``2**-k``."""
+def load_query(query_ptr, q_token, q_head, row_ok, Q: tl.constexpr, R_K: tl.constexpr,
+               EXACT: tl.constexpr):
+    """The ``[BLOCK_M, D]`` query rows as stored (where the interpreter would read bf16 or an
+    unquantized cache's fp16: their bits, uint16); :func:`query_operand` prepares them."""
     d = tl.arange(0, R_K.block_d)
     offs = q_token[:, None] * Q.stride_token + q_head[:, None] * Q.stride_head + d[None, :]
     mask = row_ok[:, None] & (d < R_K.head_dim)[None, :]
-    if R_K.kind == READ_PLAIN and EXACT:   # fp32 operands (the interpreter's bf16 is wrong)
-        q = plain_to_fp32(tl.load(query_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask,
-                                  other=0), R_K.plain_bf16)
-        unscale = 1.0
-    elif R_K.kind == READ_PLAIN:
+    if EXACT and (R_K.kind == READ_PLAIN or query_ptr.dtype.element_ty == tl.bfloat16):
+        q = tl.load(query_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+    else:
         q = tl.load(query_ptr + offs, mask=mask, other=0)
-        unscale = 1.0
-    elif R_K.kind == READ_MXFP8:   # fp32 operands: the query as it is (its products exact)
-        if EXACT and query_ptr.dtype.element_ty == tl.bfloat16:
-            raw = tl.load(query_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
-            q = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        else:
-            q = tl.load(query_ptr + offs, mask=mask, other=0).to(tl.float32)
+    return q
+
+
+@jit
+def query_operand(q, R_K: tl.constexpr):
+    """``(operand, unscale)``: :func:`load_query`'s rows as the MMA's A operand -- as stored for a
+    bf16/fp16 cache, fp32 for MXFP8, else fp16 times ``2**k`` with ``k`` putting the largest
+    ``|q|`` in ``[2**14, 2**15)`` (bf16 values then round only below ``2**-25`` of it) -- and
+    ``2**-k``."""
+    if R_K.kind == READ_PLAIN:
+        if q.dtype == tl.uint16:   # fp32 operands (the interpreter's bf16 is wrong)
+            q = plain_to_fp32(q, R_K.plain_bf16)
         unscale = 1.0
     else:
-        if EXACT and query_ptr.dtype.element_ty == tl.bfloat16:   # bf16 bits: exact widening
-            raw = tl.load(query_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
-            x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        if q.dtype == tl.uint16:   # bf16 bits: exact widening
+            x = (q.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
-            x = tl.load(query_ptr + offs, mask=mask, other=0).to(tl.float32)
-        amax = tl.reduce(tl.reduce(tl.abs(x), 1, max_combine), 0, max_combine)
-        exp = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF          # biased exponent of amax
-        k = tl.where((amax > 0) & (exp < 255), 141 - exp, 0)          # 2**k amax in [2**14, 2**15)
-        k = tl.minimum(tl.maximum(k, -126), 126)
-        up = ((k + 127) << 23).to(tl.float32, bitcast=True)
-        q = (x * up).to(tl.float16)
-        unscale = ((127 - k) << 23).to(tl.float32, bitcast=True)
-        if R_K.kind == READ_NVFP4:   # even and odd columns, as the K tile has them
-            q = tl.split(tl.reshape(q, (q.shape[0], q.shape[1] // 2, 2)))
+            x = q.to(tl.float32)
+        if R_K.kind == READ_MXFP8:   # fp32 operands: the query as it is (its products exact)
+            q = x
+            unscale = 1.0
+        else:
+            amax = tl.reduce(tl.reduce(tl.abs(x), 1, max_combine), 0, max_combine)
+            exp = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF     # biased exponent of amax
+            k = tl.where((amax > 0) & (exp < 255), 141 - exp, 0)     # 2**k amax in [2**14, 2**15)
+            k = tl.minimum(tl.maximum(k, -126), 126)
+            up = ((k + 127) << 23).to(tl.float32, bitcast=True)
+            q = (x * up).to(tl.float16)
+            unscale = ((127 - k) << 23).to(tl.float32, bitcast=True)
+            if R_K.kind == READ_NVFP4:   # even and odd columns, as the K tile has them
+                q = tl.split(tl.reshape(q, (q.shape[0], q.shape[1] // 2, 2)))
     return q, unscale
 
 
@@ -336,13 +378,12 @@ def _soft_cap(s, cap):
 
 
 @jit
-def read_keys(t0, seen, sides, table, live, C: tl.constexpr, GUARD: tl.constexpr):
-    """``(t, k, k_cols, v_rows)``: the tokens of the tile of ``W * BLOCK_N`` from ``t0``, their
-    K operand and dynamic scales (:func:`read_tile`) and their V rows. ``seen``: the share's
-    end, the last visible token, the rows' positions, the window; ``sides``: the K and V caches'
-    and side arrays' pointers. ``GUARD``: a tile that may lie past the share's end (``live``
-    false), where nothing may be read -- not even the block table's entry of the clamped last
-    token, as a sequence without tokens has none."""
+def tile_rows(t0, seen, table, live, C: tl.constexpr, GUARD: tl.constexpr):
+    """``(t, k_rows, v_rows)``: the tokens of the tile of ``W * BLOCK_N`` from ``t0`` and their
+    K and V rows (:func:`fp8kv.ops.addressing.slot_rows`). ``seen``: the share's end, the last
+    visible token, the rows' positions, the window. ``GUARD``: a tile that may lie past the
+    share's end (``live`` false), where nothing may be read -- not even the block table's entry
+    of the clamped last token, as a sequence without tokens has none."""
     CACHE: tl.constexpr = C.cache
     KEY: tl.constexpr = CACHE.KEY
     VALUE: tl.constexpr = CACHE.VALUE
@@ -361,20 +402,37 @@ def read_keys(t0, seen, sides, table, live, C: tl.constexpr, GUARD: tl.constexpr
         v_rows = k_rows
     else:
         v_rows = slot_rows(page, slot, VALUE)
+    return t, k_rows, v_rows
+
+
+@jit
+def read_keys(t0, seen, sides, table, live, C: tl.constexpr, GUARD: tl.constexpr):
+    """``(t, k, k_cols, v_rows)``: :func:`tile_rows`'s tokens, their K operand and dynamic
+    scales (:func:`tile_operand`) and their V rows; ``sides``: the K and V caches' and side
+    arrays' pointers."""
     R_K: tl.constexpr = C.key_read   # (nested constexprs are passed by name)
-    FMT: tl.constexpr = CACHE.FMT
+    FMT: tl.constexpr = C.cache.FMT
     EXACT: tl.constexpr = C.options.exact
-    k, k_cols = read_tile(sides[0], sides[2], k_rows, live, R_K, FMT, False, EXACT, GUARD)
+    t, k_rows, v_rows = tile_rows(t0, seen, table, live, C, GUARD)
+    raw = load_tile(sides[0], sides[2], k_rows, live, R_K, FMT, EXACT, GUARD)
+    k, k_cols = tile_operand(raw, R_K, FMT, False, EXACT)
     return t, k, k_cols, v_rows
 
 
 @jit
-def read_values(v_rows, sides, live, C: tl.constexpr, GUARD: tl.constexpr):
-    """``(v, v_cols)``: the V operand of a tile's rows and their dynamic scales."""
+def load_values(v_rows, sides, live, C: tl.constexpr, GUARD: tl.constexpr):
+    """:func:`load_tile` of a tile's V rows."""
     R_V: tl.constexpr = C.value_read
     FMT: tl.constexpr = C.cache.FMT
-    EXACT: tl.constexpr = C.options.exact
-    return read_tile(sides[1], sides[3], v_rows, live, R_V, FMT, True, EXACT, GUARD)
+    return load_tile(sides[1], sides[3], v_rows, live, R_V, FMT, C.options.exact, GUARD)
+
+
+@jit
+def value_operand(raw, C: tl.constexpr):
+    """``(v, v_cols)``: the V operand of :func:`load_values`' bytes and their dynamic scales."""
+    R_V: tl.constexpr = C.value_read
+    FMT: tl.constexpr = C.cache.FMT
+    return tile_operand(raw, R_V, FMT, True, C.options.exact)
 
 
 # Ask L2 for one 128-byte line at each address where the predicate holds (a hint: no result,
@@ -432,7 +490,7 @@ def attend_tile(state, qm, keys, values, seen, sides, scales, live, C: tl.conste
                 GUARD: tl.constexpr):
     """One step of the token loop: a tile read by :func:`read_keys` (``keys``) folded into the
     online softmax ``state`` = ``(m, l, acc, v_exp)``; its V operand ``values`` as
-    :func:`read_values` gives it, or None: read here, after the scores (in the pipelined loop
+    :func:`value_operand` gives it, or None: read here, after the scores (in the pipelined loop
     Triton issues the loads ahead anyway). ``scales``: the score scale and the soft cap;
     ``C``: the constexprs. A guarded tile past the share's end leaves the state as it is
     (every score is masked)."""
@@ -465,7 +523,7 @@ def attend_tile(state, qm, keys, values, seen, sides, scales, live, C: tl.conste
     p = tl.math.exp2(s - m_use[:, :, None])
     l_i = l_i * alpha + tl.reduce(p, 2, _sum_combine)
     if values is None:
-        values = read_values(v_rows, sides, live, C, GUARD)
+        values = value_operand(load_values(v_rows, sides, live, C, GUARD), C)
     v, v_cols = values
     if R_V.columns != COLUMNS_NONE:
         # Probabilities times the tokens' V scales, in units of 2**v_exp: the largest scale
@@ -486,6 +544,19 @@ def attend_tile(state, qm, keys, values, seen, sides, scales, live, C: tl.conste
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     m_i = m_new
     return m_i, l_i, acc, v_exp
+
+
+@jit
+def warps_sum(x, WARPS: tl.constexpr):
+    """The sum over axis 0 (the warps) of ``[W, M, D]``. Two warps (the size tables'): the
+    warps' axis moved last and split, ``x0 + x1`` -- one exchange through shared memory, where
+    ``tl.reduce`` over an axis across warps takes a tree of them."""
+    if WARPS == 2:
+        a, b = tl.split(tl.permute(x, (1, 2, 0)))
+        s = a + b
+    else:
+        s = tl.reduce(x, 0, _sum_combine)
+    return s
 
 
 @jit(do_not_specialize=["layer", "window", "stride_table"])
@@ -513,16 +584,6 @@ def _paged_attention_kernel(
     bh = pid // T.m_tiles
     b = bh // G.num_kv_heads
     h = bh % G.num_kv_heads
-    seq_len = tl.load(seq_lens_ptr + b)
-    if CACHE.LAYER_KIND != LAYER_NONE:   # stacked caches: move to the call's layer
-        layer, seq_len = select_layer(layer_ptr, layer, seq_len, KIND=CACHE.LAYER_KIND,
-                                      NUM_LAYERS=CACHE.NUM_LAYERS)
-        key_cache_ptr = at_layer(key_cache_ptr, layer, KEY, False)
-        value_cache_ptr = at_layer(value_cache_ptr, layer, VALUE, False)
-        if R_K.side:
-            key_side_ptr = at_layer(key_side_ptr, layer, KEY, True)
-        if R_V.side:
-            value_side_ptr = at_layer(value_side_ptr, layer, VALUE, True)
     if OPT.varlen:
         q_first = tl.load(query_start_ptr + b)
         q_len = tl.load(query_start_ptr + b + 1) - q_first
@@ -533,6 +594,22 @@ def _paged_attention_kernel(
     rows = m_tile * T.block_m + tl.arange(0, T.block_m)
     i = rows // G.group
     row_ok = i < q_len
+    q_token = q_first + i
+    q_head = h * G.group + rows % G.group
+    # The query's bytes requested first thing: nothing before them depends on a load.
+    q_raw = load_query(query_ptr, q_token, q_head, row_ok, Q, R_K, OPT.exact)
+    k_static = static_scale(key_scale_ptr, key_scale_value, h, R_K.scale)
+    v_static = static_scale(value_scale_ptr, value_scale_value, h, R_V.scale)
+    seq_len = tl.load(seq_lens_ptr + b)
+    if CACHE.LAYER_KIND != LAYER_NONE:   # stacked caches: move to the call's layer
+        layer, seq_len = select_layer(layer_ptr, layer, seq_len, KIND=CACHE.LAYER_KIND,
+                                      NUM_LAYERS=CACHE.NUM_LAYERS)
+        key_cache_ptr = at_layer(key_cache_ptr, layer, KEY, False)
+        value_cache_ptr = at_layer(value_cache_ptr, layer, VALUE, False)
+        if R_K.side:
+            key_side_ptr = at_layer(key_side_ptr, layer, KEY, True)
+        if R_V.side:
+            value_side_ptr = at_layer(value_side_ptr, layer, VALUE, True)
     pos = seq_len - q_len + i                    # each row's position in the sequence
     # The tokens these rows see: [lo, hi), split into SPLITS shares of whole tiles.
     i_first = (m_tile * T.block_m) // G.group
@@ -563,31 +640,31 @@ def _paged_attention_kernel(
     # The first tile before the loop (``peel``): the query's MMA operand then has a user outside
     # the loop too, so Triton loads it from shared memory once, here, and keeps it in registers
     # (with one user in the loop it reloads it there every step, and its shared buffer stays
-    # allocated beside the pipeline's). Outside the pipeline nothing issues its loads early:
-    # with ``early_v`` its block-table entries, K and V are all requested before the query is
-    # read and scaled, so that those round trips overlap instead of following each other.
+    # allocated beside the pipeline's). Outside the pipeline nothing issues its loads early, and
+    # a conversion waits for its bytes at a barrier (its layout change goes through shared
+    # memory) that no later load passes: the tile's scales, V's codes and K's codes are all
+    # requested (after the query's) before any of them is converted, so that their round trips
+    # overlap -- in that order, as Triton puts a load's layout change right after it.
     GUARD: tl.constexpr = 1 if OPT.pipelined else 2
+    FMT: tl.constexpr = CACHE.FMT
     if T.peel:
         PREFETCH: tl.constexpr = T.prefetch > 0 and OPT.pipelined   # (no asm interpreted)
         if PREFETCH:   # the next tiles' block-table entries, requested with the first's
             ahead = pages_ahead(start + TILE, seen, table, C)
-        first_keys = read_keys(start, seen, sides, table, start < end, C, GUARD)
-        if T.early_v:
-            first_values = read_values(first_keys[3], sides, start < end, C, GUARD)
-        else:
-            first_values = None
+        live = start < end
+        first_t, first_k_rows, first_v_rows = tile_rows(start, seen, table, live, C, GUARD)
+        k_scales = load_scales(sides[0], sides[2], first_k_rows, live, R_K, FMT, GUARD)
+        v_scales = load_scales(sides[1], sides[3], first_v_rows, live, R_V, FMT, GUARD)
+        v_codes = load_codes(sides[1], first_v_rows[0], live, R_V, OPT.exact, GUARD)
+        k_codes = load_codes(sides[0], first_k_rows[0], live, R_K, OPT.exact, GUARD)
         if PREFETCH:
             prefetch_rows(ahead, sides, C)
-
-    q, unscale = _query_rows(query_ptr, q_first + i, h * G.group + rows % G.group, row_ok, Q,
-                             R_K, OPT.exact)
+    q, unscale = query_operand(q_raw, R_K)
     if R_K.kind == READ_NVFP4:
         qm = (tl.broadcast_to(q[0][None, :, :], [T.warps, T.block_m, R_K.block_d // 2]),
               tl.broadcast_to(q[1][None, :, :], [T.warps, T.block_m, R_K.block_d // 2]))
     else:
         qm = tl.broadcast_to(q[None, :, :], [T.warps, T.block_m, R_K.block_d])
-    k_static = static_scale(key_scale_ptr, key_scale_value, h, R_K.scale)
-    v_static = static_scale(value_scale_ptr, value_scale_value, h, R_V.scale)
     score_scale = OPT.softmax_scale * k_static * unscale * R_K.unit
     if not OPT.soft_cap:
         score_scale = score_scale * LOG2E
@@ -603,6 +680,10 @@ def _paged_attention_kernel(
     scales = (score_scale, OPT.cap)
     first = start
     if T.peel:
+        k, k_cols = tile_operand((k_codes, k_scales[0], k_scales[1]), R_K, FMT, False,
+                                 OPT.exact)
+        first_keys = (first_t, k, k_cols, first_v_rows)
+        first_values = value_operand((v_codes, v_scales[0], v_scales[1]), C)
         state = attend_tile(state, qm, first_keys, first_values, seen, sides, scales,
                             start < end, C, GUARD)
         first = start + TILE
@@ -624,11 +705,11 @@ def _paged_attention_kernel(
     weight = tl.math.exp2(m_i - m_all_use[None, :])
     l_all = tl.reduce(l_i * weight, 0, _sum_combine)
     if R_V.kind == READ_NVFP4:   # even and odd columns back in order
-        o = tl.reshape(tl.join(tl.reduce(acc[0] * weight[:, :, None], 0, _sum_combine),
-                               tl.reduce(acc[1] * weight[:, :, None], 0, _sum_combine)),
+        o = tl.reshape(tl.join(warps_sum(acc[0] * weight[:, :, None], T.warps),
+                               warps_sum(acc[1] * weight[:, :, None], T.warps)),
                        (T.block_m, R_V.block_d))
     else:
-        o = tl.reduce(acc * weight[:, :, None], 0, _sum_combine)
+        o = warps_sum(acc * weight[:, :, None], T.warps)
     out_scale = v_static * R_V.unit
     if R_V.columns != COLUMNS_NONE:
         out_scale = out_scale * ((127 + v_exp) << 23).to(tl.float32, bitcast=True)
