@@ -129,14 +129,14 @@ def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
 
 
 # Attention: overrides of the CUDA row of ``ATTENTION_SIZES``, read by every format (the row's
-# ``packed`` override set aside); the first (none) is the row. L2 prefetch of none / two tiles
-# after the peeled one, the merge launched plainly, and more, shorter splits for small calls.
-# Kept short: every candidate is a compile of its own.
+# ``packed`` and ``plain`` overrides set aside); the first is the row with its overrides. bf16
+# caches pipelined as deeply as the others (twice the shared memory: one program per SM less)
+# and less deeply. Kept short: every candidate is a compile of its own (bench/NOTES.md has the
+# earlier candidates' numbers).
 ATTENTION_CANDIDATES = (
-    {}, dict(prefetch=0), dict(prefetch=2), dict(pdl=False),
-    dict(min_split_tokens=128, target_programs=528),
+    {}, dict(plain={}), dict(plain=dict(stages=3, split_stages=3)),
 )
-ATTENTION_SWEEP_FORMATS = ("e4m3", "e4m3 token-head", "nvfp4")
+ATTENTION_SWEEP_FORMATS = ("e4m3", "e4m3 token-head", "nvfp4", "bf16")
 ATTENTION_SWEEP_SHAPES = ((1, 8192), (8, 4096), (32, 4096), (64, 2048), (256, 1024))
 _LABEL_KEYS = (("n", "block_n"), ("w", "warps"), ("s", "stages"), ("ss", "split_stages"),
                ("b", "split_below"), ("t", "target_programs"), ("m", "min_split_tokens"),
@@ -149,8 +149,9 @@ def attention_candidate_label(overrides: dict) -> str:
     row = {**attention.ATTENTION_SIZES[attention.CUDA], **overrides}
     label = " ".join(f"{short}{int(row[key]) if isinstance(row[key], bool) else row[key]}"
                      for short, key in _LABEL_KEYS)
-    packed = overrides.get("packed", {})
-    return label + "".join(f" nvfp4 {key} {value}" for key, value in packed.items())
+    return label + "".join(f" {name} {key} {value}"
+                           for sub, name in (("packed", "nvfp4"), ("plain", "bf16"))
+                           for key, value in overrides.get(sub, {}).items())
 
 
 def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
@@ -165,16 +166,19 @@ def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
                   "rows per merge program, `p1` the first tile peeled off the loop (FP8 / NVFP4 "
                   "keys), `pf` the tiles after it prefetched into L2, `g1` the merge launched "
                   "as a dependent, `f1` NVFP4 block scales applied in the unpacking asm) per "
-                  "shape and cache format; the first candidate is the table's row. NVFP4 "
-                  "reads with each candidate's own "
-                  "stages (the row's `packed` override set aside) unless the label says "
-                  "`nvfp4 stages`.",
+                  "shape and cache format; the first candidate is the table's row. NVFP4 and "
+                  "bf16 read with each candidate's own stages (the row's `packed` and `plain` "
+                  "overrides set aside but in the first) unless the label says `nvfp4 stages` "
+                  "/ `bf16 stages`.",
                   plot="bars")
     shapes = ATTENTION_SWEEP_SHAPES
     cases = {}
-    for candidate in ATTENTION_CANDIDATES:
+    row = attention.ATTENTION_SIZES[attention.CUDA]
+    for k, candidate in enumerate(ATTENTION_CANDIDATES):
+        if not k:   # the row as it is
+            candidate = {"packed": row["packed"], "plain": row["plain"]}
         label = attention_candidate_label(candidate)
-        entries = {"packed": {}, **candidate}
+        entries = {"packed": {}, "plain": {}, **candidate}
         with planned_with(attention.ATTENTION_SIZES, attention.CUDA, **entries):
             try:
                 _time_attention_candidate(table, device, timer, label, shapes, cases)

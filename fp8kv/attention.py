@@ -124,7 +124,8 @@ class Constants(NamedTuple):
 # and for split calls; splits are added to calls of fewer than ``split_below`` programs, up to
 # about ``target_programs``, each split taking at least ``min_split_tokens`` tokens.
 # ``packed``: what a packed-code cache (nvfp4) reads with instead, where its decode's registers
-# want other tiles. bench/NOTES.md ("Paged attention") has the measurements behind the CUDA row
+# want other tiles; ``plain``: the same for a bf16 / fp16 cache (twice the shared memory per
+# pipelined tile). bench/NOTES.md ("Paged attention") has the measurements behind the CUDA row
 # (``python -m bench --only attention_sweep``). The interpreter
 # runs one program at a time: small tiles, and splits already for small calls so that the
 # merge kernel runs in CPU tests.
@@ -149,11 +150,11 @@ ATTENTION_SIZES = {
     CUDA: dict(block_m=16, block_n=32, warps=2, stages=5, split_stages=5, split_below=512,
                target_programs=264, min_split_tokens=256, max_splits=64, merge_rows=4,
                merge_warps=4, peel=True, prefetch=1, pdl=True, fuse_scale=True,
-               packed=dict(stages=3)),
+               packed=dict(stages=3), plain=dict(stages=4, split_stages=4)),
     INTERPRET: dict(block_m=16, block_n=16, warps=2, stages=1, split_stages=1, split_below=4,
                     target_programs=4, min_split_tokens=16, max_splits=4, merge_rows=16,
                     merge_warps=1, peel=True, prefetch=0, pdl=False, fuse_scale=True,
-                    packed={}),
+                    packed={}, plain={}),
 }
 PEELED_READS = (READ_FP8, READ_NVFP4)
 # ``pdl``: the merge launched as a programmatic dependent of the attention grid (it waits for
@@ -493,7 +494,9 @@ def splits_for(programs: int, max_context: int, tile: int, sizes: dict) -> int:
 def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None) -> AttentionPlan:
     """Plan :func:`fp8kv.ops.paged_attention._paged_attention_kernel` (and the merge)."""
     sizes = ATTENTION_SIZES[backend]
-    if args.fmt is not None and args.fmt.packed:
+    if args.fmt is None:
+        sizes = {**sizes, **sizes["plain"]}
+    elif args.fmt.packed:
         sizes = {**sizes, **sizes["packed"]}
     exact = backend == INTERPRET if exact is None else exact
     d = args.head_dim

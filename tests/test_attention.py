@@ -455,6 +455,9 @@ def test_kernels_compile_for_sm90(name, arrays):
         # The query's and the peeled tile's bytes (and the scales) are all requested before any
         # of them is converted (a conversion's barrier would wait for them).
         assert operands_before_last_load(ptx) == 0
+    if name == "bfloat16":   # the ``plain`` override: a pipeline that leaves 4 programs per SM
+        assert tiles.stages == ATTENTION_SIZES[CUDA]["plain"]["stages"] == 4
+        assert compiled.metadata.shared <= 56 * 1024
     if name == "nvfp4":   # codes times block scales in one asm, fp16 pairs out
         assert "prmt.b32" in ptx and "mul.rn.f16x2" in ptx
     if not name.startswith("mxfp8"):   # mxfp8: IEEE fp32 dots (its operands need fp32)
