@@ -138,10 +138,11 @@ class Constants(NamedTuple):
 # and takes fewer instructions per step, for more registers and one tile read outside the
 # pipeline (bench/NOTES.md has the numbers). The interpreter peels too, so that CPU tests run
 # the guarded tile (an empty share reads nothing). Every load of the peeled tile and the query
-# is issued before any of them is converted (the kernel says why). ``prefetch``: the K and V rows of that many tiles after the peeled one are asked of L2
-# with it (their block-table entries loaded beside its own), as the pipelined loop only starts
-# its first loads once the peeled tile is done; keys with per-token scales (a side array the
-# prefetch leaves out) read without it.
+# is issued before any of them is converted (the kernel says why). ``prefetch``: the K and V
+# rows of that many tiles after the peeled one are asked of L2 with it (their block-table
+# entries loaded beside its own), as the pipelined loop only starts its first loads once the
+# peeled tile is done; keys with per-token scales (a side array the prefetch leaves out) read
+# without it.
 # ``fuse_scale``: NVFP4 codes and their block scales become MMA operands in one asm per four
 # bytes (fp16 pairs out), instead of an unpacking asm and fp16 multiplies outside it, around
 # which Triton splits and rejoins every pair: fewer instructions per step in the sm_90 compile,
