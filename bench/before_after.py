@@ -56,49 +56,26 @@ def _graph_us(fns) -> float:
 
 
 ATTENTION_CASES = (("e4m3", 1, 8192), ("e4m3", 8, 4096), ("e4m3", 32, 4096), ("e4m3", 64, 2048),
-                   ("e4m3", 256, 1024), ("token-head", 8, 4096), ("token-head", 256, 1024),
-                   ("nvfp4", 64, 2048), ("bf16", 8, 4096), ("bf16", 64, 2048))
+                   ("e4m3", 256, 1024), ("e4m3 token-head", 8, 4096),
+                   ("e4m3 token-head", 256, 1024), ("nvfp4", 64, 2048), ("bf16", 8, 4096),
+                   ("bf16", 64, 2048))
 
 
 def measure_attention() -> dict:
-    """``{case: microseconds per call}`` of ``paged_attention`` for the fp8kv on ``sys.path``."""
+    """``{case: microseconds per call}`` of ``paged_attention`` for the fp8kv on ``sys.path``,
+    on the attention table's caches (``bench.attention.make_cache``: public API only; this
+    checkout's bench is found after the other tree's packages)."""
     import torch
 
-    import fp8kv_torch
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
+    from bench.attention import attend, make_cache
 
-    torch.manual_seed(0)
-    dev = "cuda"
     out = {}
     for fmt, batch, context in ATTENTION_CASES:
-        pages = batch * context // PAGE_SIZE
-        shape = (pages, PAGE_SIZE, HEADS, HEAD_DIM)
-        kw = dict(block_table=torch.randperm(pages, device=dev).view(batch, -1).int(),
-                  seq_lens=torch.full((batch,), context, dtype=torch.int32, device=dev))
-        query = torch.randn(batch, 4 * HEADS, HEAD_DIM, device=dev).to(torch.bfloat16)
-        if fmt == "bf16":
-            kc = torch.randn(shape, device=dev).to(torch.bfloat16)
-        elif fmt == "nvfp4":
-            kc = torch.randint(0, 256, shape[:-1] + (HEAD_DIM // 2,), dtype=torch.uint8,
-                               device=dev)
-            blocks = shape[:-1] + (HEAD_DIM // 16,)
-            kw.update(key_scale=0.01, value_scale=0.01, cache_format="nvfp4",
-                      key_scale_cache=torch.randint(0x30, 0x40, blocks, dtype=torch.uint8,
-                                                    device=dev),
-                      value_scale_cache=torch.randint(0x30, 0x40, blocks, dtype=torch.uint8,
-                                                      device=dev))
-        else:
-            kc = (torch.randn(shape, device=dev) * 8).to(torch.float8_e4m3fn)
-            if fmt == "token-head":
-                kw.update(key_scale_cache=torch.rand(shape[:-1], device=dev) * 0.01 + 0.001,
-                          value_scale_cache=torch.rand(shape[:-1], device=dev) * 0.01 + 0.001)
-            else:
-                kw.update(key_scale=0.02, value_scale=0.03)
-        vc = torch.randn_like(kc, dtype=torch.float32).to(kc.dtype) if fmt != "nvfp4" else \
-            kc.flip(0)
-        dst = torch.empty_like(query)
-        out[f"attention {fmt} {batch}x{context}"] = _graph_us([
-            lambda: fp8kv_torch.paged_attention(query, kc, vc, out=dst, **kw)])
-        del kc, vc, kw
+        kw, _ = make_cache(batch, context, fmt, "cuda")
+        dst = torch.empty_like(kw["query"])
+        out[f"attention {fmt} {batch}x{context}"] = _graph_us([lambda: attend(kw, dst)])
+        del kw, dst
     return out
 
 

@@ -11,7 +11,7 @@ import torch
 
 from fp8kv import attention
 
-from .attention import attend, make_cache
+from .attention import FORMATS, attend, make_cache
 from .sweep import planned_with
 
 
@@ -19,8 +19,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.profile_attention")
     p.add_argument("batch", type=int)
     p.add_argument("context", type=int)
-    p.add_argument("format", nargs="?", default="e4m3",
-                   choices=("e4m3", "e4m3 token-head", "nvfp4", "bf16"))
+    p.add_argument("format", nargs="?", default="e4m3", choices=FORMATS)
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("sizes", nargs="*", metavar="KEY=VALUE")
     a = p.parse_args(argv)
