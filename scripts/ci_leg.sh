@@ -68,7 +68,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-_ci_pip=(python -m pip install -q)
+# No wheel cache: it would hold a second copy of every download (GBs for torch214) on a disk
+# that may have little room (.ci/run), and a retry below then downloads afresh.
+_ci_pip=(python -m pip install -q --no-cache-dir)
 [ "${CI_LEG_NO_COMPILE:-}" = 1 ] && _ci_pip+=(--no-compile)
 "${_ci_pip[@]}" --upgrade pip
 # The pinned wheels are the big downloads (triton, jaxlib, torch 2.14's CUDA wheels): an
@@ -78,7 +80,6 @@ for _ci_try in 1 2 3; do
     "${_ci_pip[@]}" "${PINS[@]}" && break
     [ "$_ci_try" -lt 3 ] || false
     echo "ci_leg.sh: installing ${PINS[*]} failed (try $_ci_try of 3); trying again" >&2
-    _ci_pip+=(--no-cache-dir)
 done
 if [ -n "${CI_LEG_LOCK:-}" ]; then
     # The lock is released when this process ends, however it ends.

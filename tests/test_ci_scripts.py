@@ -96,13 +96,15 @@ def test_test_sh_runs_ci_run(tmp_path):
 
 # A stand-in for a leg's venv: its ``python`` (a bash script) logs every call to calls.log (and
 # pytest's arguments, one a line, to pytest-args; its working directory and own path to
-# pytest-where, the directory's entries to pytest-tree), makes its pip installs wait until the other stand-in legs have started theirs (so that setups one
-# after another would time out), and fails where told to (FAIL_PIP: the pins' install; PYTEST_RC:
+# pytest-where, the directory's entries to pytest-tree; every leg's calls in order to
+# all-calls.log), makes its pip installs wait until the other stand-in legs (OTHERS) have started
+# theirs (so that setups one after another would time out), and fails where told to (FAIL_PIP: the pins' install; PYTEST_RC:
 # the test command's status). ``python -c`` (ci_leg.sh's lock around the editable install) runs
 # the real interpreter.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 here=$(cd "$(dirname "$0")/.." && pwd)
 echo "$*" >> "$here/calls.log"
+echo "${here##*/}" >> "$here/../all-calls.log"
 case "$1 $2" in
     "-m pip")
         : > "$here/pip-started"
@@ -143,8 +145,9 @@ def _stand_in_venvs(tmp_path: Path, legs: dict) -> Path:
     return venvs
 
 
-def _ci_run(tmp_path: Path, legs: str, venvs: Path, *args: str) -> subprocess.CompletedProcess:
-    env = _env(tmp_path, CI_LEGS=legs, CI_VENVS=str(venvs), TMPDIR=str(tmp_path))
+def _ci_run(tmp_path: Path, legs: str, venvs: Path, *args: str,
+            **extra) -> subprocess.CompletedProcess:
+    env = _env(tmp_path, CI_LEGS=legs, CI_VENVS=str(venvs), TMPDIR=str(tmp_path), **extra)
     return subprocess.run([BASH, ".ci/run", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -170,7 +173,8 @@ def test_setups_run_at_once_then_each_leg_runs_the_readme_command(tmp_path):
         calls = (venvs / f".venv-{leg}" / "calls.log").read_text().splitlines()
         pip = [c for c in calls if c.startswith("-m pip install")]
         assert len(pip) == 3 and all("--no-compile" in c for c in pip), calls
-        assert any(c.endswith("/editable.lock python -m pip install -q --no-compile -e "
+        assert any(c.endswith("/editable.lock python -m pip install -q --no-cache-dir "
+                              "--no-compile -e "
                               ".[test,bench]") for c in calls), calls   # the locked install
         assert calls[-1].startswith("-m pytest "), calls
         pytest_args = (venvs / f".venv-{leg}" / "pytest-args").read_text().splitlines()
@@ -185,8 +189,8 @@ def test_a_failed_setup_fails_its_leg_with_its_log_and_the_others_run(tmp_path):
     assert got.returncode == 1, got
     assert "leg oldest: setup failed (exit 1); its log:" in got.stderr
     assert "ERROR: No matching distribution found for torch==2.13.0" in got.stderr
-    assert re.search(r"^leg oldest: \d+ GB free in \S+ \(the four legs' venvs take about 13 GB\)$",
-                     got.stderr, re.M), got.stderr
+    assert re.search(r"^leg oldest: \d+ GB free in \S+ \(its venv takes about 3 GB; setup "
+                     r"at-once\)$", got.stderr, re.M), got.stderr
     assert "ci_leg.sh: unknown leg 'nope' (oldest, newest, torch214, jax)" in got.stderr
     assert "leg newest: pytest collected no tests" in got.stderr
     assert "pytest ran in .venv-oldest" not in got.stdout
@@ -195,6 +199,24 @@ def test_a_failed_setup_fails_its_leg_with_its_log_and_the_others_run(tmp_path):
                              ["newest", "FAILED", "(exit", "5)"],
                              ["nope", "FAILED", "(exit", "2)"],
                              ["torch214", "passed", "(exit", "0)"]], got.stdout
+
+
+def test_short_of_disk_each_leg_is_set_up_just_before_its_tests(tmp_path):
+    """CI_SETUP=one-by-one (what .ci/run picks when the legs' venvs would not fit at once): leg
+    after leg, setup then tests; a venv that was there before the run is kept."""
+    venvs = _stand_in_venvs(tmp_path, {"newest": {"OTHERS": "''"}, "oldest": {"OTHERS": "''"}})
+    got = _ci_run(tmp_path, "newest oldest", venvs, CI_SETUP="one-by-one")
+    assert got.returncode == 0, got
+    order = [line.split()[0] for line in (venvs / "all-calls.log").read_text().splitlines()]
+    first_oldest = order.index(".venv-oldest")
+    assert set(order[:first_oldest]) == {".venv-newest"} and ".venv-newest" not in order[
+        first_oldest:], order
+    assert (venvs / ".venv-newest" / "pytest-args").exists()
+    assert _summary(got) == [["newest", "passed", "(exit", "0)"],
+                             ["oldest", "passed", "(exit", "0)"]], got.stdout
+    bad = _ci_run(tmp_path, "newest", venvs, CI_SETUP="sometimes")
+    assert bad.returncode == 2
+    assert "CI_SETUP: expected at-once or one-by-one, got 'sometimes'" in bad.stderr
 
 
 JAX_FILES = [f"tests/test_{n}.py" for n in ("jax_glue", "stacked_jax", "rope_jax", "nvfp4_jax",
