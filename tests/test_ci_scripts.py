@@ -33,7 +33,7 @@ def _bare_path(tmp_path: Path) -> str:
 
 def _env(tmp_path: Path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if not (k.startswith("PYTHON3") or k in ("VIRTUAL_ENV", "PYENV_VERSION"))}
+           if not (k.startswith(("PYTHON3", "CI_")) or k in ("VIRTUAL_ENV", "PYENV_VERSION"))}
     env.update(PATH=_bare_path(tmp_path), PYENV_ROOT=str(tmp_path / "no-pyenv"), **extra)
     return env
 
@@ -147,6 +147,9 @@ def _stand_in_venvs(tmp_path: Path, legs: dict) -> Path:
 
 def _ci_run(tmp_path: Path, legs: str, venvs: Path, *args: str,
             **extra) -> subprocess.CompletedProcess:
+    """.ci/run with the stand-in venvs; the legs set up at once (whatever room the disk has
+    here) unless ``extra`` says otherwise."""
+    extra = {"CI_SETUP": "at-once", **extra}
     env = _env(tmp_path, CI_LEGS=legs, CI_VENVS=str(venvs), TMPDIR=str(tmp_path), **extra)
     return subprocess.run([BASH, ".ci/run", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
@@ -201,12 +204,25 @@ def test_a_failed_setup_fails_its_leg_with_its_log_and_the_others_run(tmp_path):
                              ["torch214", "passed", "(exit", "0)"]], got.stdout
 
 
+DF_5GB = """#!/usr/bin/env bash
+echo "Filesystem 1024-blocks Used Available Capacity Mounted on"
+echo "/dev/x 100000000 94757120 5242880 95% /"
+"""
+
+
 def test_short_of_disk_each_leg_is_set_up_just_before_its_tests(tmp_path):
-    """CI_SETUP=one-by-one (what .ci/run picks when the legs' venvs would not fit at once): leg
-    after leg, setup then tests; a venv that was there before the run is kept."""
+    """With less room than the legs' venvs take at once (df says 5 GB; newest + oldest take 6),
+    leg after leg: setup, then tests; a venv that was there before the run is kept."""
     venvs = _stand_in_venvs(tmp_path, {"newest": {"OTHERS": "''"}, "oldest": {"OTHERS": "''"}})
-    got = _ci_run(tmp_path, "newest oldest", venvs, CI_SETUP="one-by-one")
+    df = Path(_bare_path(tmp_path)) / "df"
+    df.unlink()
+    df.write_text(DF_5GB)
+    df.chmod(0o755)
+    got = _ci_run(tmp_path, "newest oldest", venvs, CI_SETUP="")
     assert got.returncode == 0, got
+    assert got.stdout.startswith(
+        f"setup: one leg at a time (5 GB free in {venvs}; the legs' venvs take about 6 GB at "
+        "once)\n"), got.stdout
     order = [line.split()[0] for line in (venvs / "all-calls.log").read_text().splitlines()]
     first_oldest = order.index(".venv-oldest")
     assert set(order[:first_oldest]) == {".venv-newest"} and ".venv-newest" not in order[
