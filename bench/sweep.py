@@ -133,8 +133,10 @@ def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
 # caches pipelined as deeply as the others (twice the shared memory: one program per SM less)
 # and less deeply. Kept short: every candidate is a compile of its own (bench/NOTES.md has the
 # earlier candidates' numbers).
+_ROW = attention.ATTENTION_SIZES[attention.CUDA]
 ATTENTION_CANDIDATES = (
-    {}, dict(plain={}), dict(plain=dict(stages=3, split_stages=3)),
+    {"packed": _ROW["packed"], "plain": _ROW["plain"]}, dict(plain={}),
+    dict(plain=dict(stages=3, split_stages=3)),
 )
 ATTENTION_SWEEP_FORMATS = ("e4m3", "e4m3 token-head", "nvfp4", "bf16")
 ATTENTION_SWEEP_SHAPES = ((1, 8192), (8, 4096), (32, 4096), (64, 2048), (256, 1024))
@@ -173,10 +175,7 @@ def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
                   plot="bars")
     shapes = ATTENTION_SWEEP_SHAPES
     cases = {}
-    row = attention.ATTENTION_SIZES[attention.CUDA]
-    for k, candidate in enumerate(ATTENTION_CANDIDATES):
-        if not k:   # the row as it is
-            candidate = {"packed": row["packed"], "plain": row["plain"]}
+    for candidate in ATTENTION_CANDIDATES:
         label = attention_candidate_label(candidate)
         entries = {"packed": {}, "plain": {}, **candidate}
         with planned_with(attention.ATTENTION_SIZES, attention.CUDA, **entries):
