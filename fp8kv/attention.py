@@ -48,7 +48,9 @@ class Reading(NamedTuple):
     whether the call has a side array for it (dynamic or block scales), head_dim and its
     power-of-two tile width, and ``unit``, what the fp16 operand is multiplied by to give the
     value (NVFP4: 2**8); ``fuse_scale`` (NVFP4): the block scales multiply the codes inside
-    the unpacking asm (``ATTENTION_SIZES``)."""
+    the unpacking asm (``ATTENTION_SIZES``); ``quads`` (NVFP4's V): the codes are read four to
+    a 16-bit element, which reaches the transposed MMA operand as it is stored
+    (``ldmatrix.trans``) and is unpacked there."""
 
     kind: int
     scale: int
@@ -59,6 +61,7 @@ class Reading(NamedTuple):
     unit: float
     plain_bf16: bool = False   # READ_PLAIN: a bf16 (else fp16) cache
     fuse_scale: bool = False
+    quads: bool = False
 
 
 class QueryRows(NamedTuple):
@@ -151,7 +154,7 @@ ATTENTION_SIZES = {
     CUDA: dict(block_m=16, block_n=32, warps=2, stages=5, split_stages=5, split_below=512,
                target_programs=264, min_split_tokens=256, max_splits=64, merge_rows=4,
                merge_warps=4, peel=True, prefetch=1, pdl=True, fuse_scale=True,
-               packed=dict(stages=3), plain=dict(stages=4, split_stages=4)),
+               packed={}, plain=dict(stages=4, split_stages=4)),
     INTERPRET: dict(block_m=16, block_n=16, warps=2, stages=1, split_stages=1, split_below=4,
                     target_programs=4, min_split_tokens=16, max_splits=4, merge_rows=16,
                     merge_warps=1, peel=True, prefetch=0, pdl=False, fuse_scale=True,
@@ -463,7 +466,8 @@ def _cache(args: AttentionArgs) -> Cache:
                  COMBINED=args.combined, LAYER_KIND=kind.id, NUM_LAYERS=layers.num_layers)
 
 
-def _reading(args: AttentionArgs, side: SideScale, head_dim: int, sizes: dict) -> Reading:
+def _reading(args: AttentionArgs, side: SideScale, head_dim: int, sizes: dict,
+             value: bool = False) -> Reading:
     block_d = triton.next_power_of_2(head_dim)
     fmt = args.fmt
     if fmt is None:
@@ -471,7 +475,7 @@ def _reading(args: AttentionArgs, side: SideScale, head_dim: int, sizes: dict) -
                        1.0, args.query.dtype == "bfloat16")
     if fmt.packed:
         return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 256.0,
-                       fuse_scale=sizes["fuse_scale"])
+                       fuse_scale=sizes["fuse_scale"], quads=value)
     if fmt.block_scaled:   # mxfp8: fp32 operands, the block scales applied to them
         return Reading(READ_MXFP8, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 1.0)
     columns = (COLUMNS_INLINE if args.inline_pad and side.is_dynamic else
@@ -515,7 +519,7 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
     pdl = sizes["pdl"] and splits > 1 and PDL
     consts = Constants(
         QueryRows(query.strides[0], query.strides[1]), _cache(args),
-        key_read, _reading(args, args.value_scale, d, sizes),
+        key_read, _reading(args, args.value_scale, d, sizes, value=True),
         Geometry(args.num_heads, args.num_kv_heads, group, d, kc.page_size,
                  args.block_table.strides[1]),
         Tiles(block_m, sizes["block_n"], sizes["warps"], splits, m_tiles,

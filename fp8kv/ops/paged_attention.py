@@ -128,11 +128,9 @@ _NVFP4_ODD_PTX: tl.constexpr = tl.constexpr("""{
 }""")
 
 
-# Both nibbles of four bytes to fp16 bits as the two above (high bytes ``h``: low nibbles, ``g``:
-# high ones), each pair then multiplied by its block scale (``$5``, ``$6``: the scale of elements
-# 0-1 and 2-3 as fp16 pairs): the MMA operands leave the asm as the 32-bit pairs the dot takes,
-# where a multiply outside it makes Triton unpack and repack every fp16 around it.
-_NVFP4_SCALED_PTX: tl.constexpr = tl.constexpr("""{
+# The fp16 high bytes of all eight nibbles of $4 (sign << 7 | magnitude << 1, as the two above):
+# ``h`` the low nibbles', ``g`` the high ones', byte k from byte k of $4.
+_NVFP4_HIGH_BYTES = """
     .reg .b32 a, b, h, g;
     shl.b32 a, $4, 1;
     and.b32 a, a, 0x0E0E0E0E;
@@ -143,6 +141,13 @@ _NVFP4_SCALED_PTX: tl.constexpr = tl.constexpr("""{
     and.b32 a, a, 0x0E0E0E0E;
     and.b32 b, $4, 0x80808080;
     or.b32 g, a, b;
+"""
+
+# K: four bytes of a token's row to fp16 bits, each pair then multiplied by its block scale
+# (``$5``, ``$6``: the scale of elements 0-1 and 2-3 as fp16 pairs): the MMA operands leave the
+# asm as the 32-bit pairs the dot takes, where a multiply outside it makes Triton unpack and
+# repack every fp16 around it.
+_NVFP4_SCALED_PTX: tl.constexpr = tl.constexpr("{" + _NVFP4_HIGH_BYTES + """
     prmt.b32 a, h, 0, 0x1404;
     mul.rn.f16x2 $0, a, $5;
     prmt.b32 a, h, 0, 0x3424;
@@ -153,10 +158,49 @@ _NVFP4_SCALED_PTX: tl.constexpr = tl.constexpr("""{
     mul.rn.f16x2 $3, a, $6;
 }""")
 
+# V: four codes of a token (16 bits) and the same four of the next token ($4: the two as the
+# 32-bit pair that the transposed MMA operand holds) to fp16 pairs (token, next token), one per
+# code position 0..3 (bytes 0 and 2 of h, of g, then bytes 1 and 3), each times the two
+# tokens' block scales ($5). No byte moves between the tokens: ldmatrix.trans already paired
+# them, which is why V is read this way.
+_NVFP4_QUADS_PTX: tl.constexpr = tl.constexpr("{" + _NVFP4_HIGH_BYTES + """
+    prmt.b32 a, h, 0, 0x2404;
+    mul.rn.f16x2 $0, a, $5;
+    prmt.b32 a, g, 0, 0x2404;
+    mul.rn.f16x2 $1, a, $5;
+    prmt.b32 a, h, 0, 0x3414;
+    mul.rn.f16x2 $2, a, $5;
+    prmt.b32 a, g, 0, 0x3414;
+    mul.rn.f16x2 $3, a, $5;
+}""")
+
+
+@jit
+def fp16_of_nvfp4_quads(quads, block_scales, F: tl.constexpr, EXACT: tl.constexpr):
+    """``(c0, c1, c2, c3)``: fp16 of NVFP4 codes read four to a uint16 ``[..., D / 4]``
+    (code ``c`` of each: element ``4j + c``) times their block scales, as
+    :func:`fp16_of_nvfp4` makes them."""
+    bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0                   # [..., D/16]
+    shape: tl.constexpr = quads.shape
+    blocks: tl.constexpr = block_scales.shape[-1]
+    scale = tl.reshape(tl.broadcast_to(bs[:, :, :, None], (shape[0], shape[1], blocks, 4)),
+                       shape)
+    if EXACT:
+        x = quads.to(tl.uint16)
+        c0 = ((((x & 0x7) << 9) | ((x & 0x8) << 12)).to(tl.float16, bitcast=True)) * scale
+        c1 = (((((x >> 4) & 0x7) << 9) | ((x & 0x80) << 8)).to(tl.float16, bitcast=True)) * scale
+        c2 = (((((x >> 8) & 0x7) << 9) | ((x & 0x800) << 4)).to(tl.float16, bitcast=True)) * scale
+        c3 = (((((x >> 12) & 0x7) << 9) | (x & 0x8000)).to(tl.float16, bitcast=True)) * scale
+    else:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            _NVFP4_QUADS_PTX, "=r,=r,=r,=r,r,r", [quads, scale],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    return c0, c1, c2, c3
+
 
 @jit
 def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr,
-                  FUSED: tl.constexpr, TRANSPOSED: tl.constexpr):
+                  FUSED: tl.constexpr):
     """``(even, odd)``: fp16 of the low and the high nibbles of NVFP4 pairs ``[..., D / 2]``
     (elements ``2i`` and ``2i + 1``) times their e4m3 block scales ``[..., D / 16]``, exact: a
     code ``c`` as the fp16 bits ``(c & 7) << 9`` is its E2M1 value times ``2**-14``; the block
@@ -164,9 +208,8 @@ def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr,
     most 10.5, at least ``2**-18`` with 6 significant bits), needs no rounding. The caller
     multiplies by ``2**8``. Even and odd elements stay apart: the dots take them as two halves
     of the head dimension (the query's and the output's columns split alike), so no nibble is
-    moved next to its neighbour. ``FUSED``: codes and scales in one asm (the same products);
-    ``TRANSPOSED`` (V, the B operand transposed): marked impure, so that Triton converts where
-    the bytes are loaded (see :func:`_fp16_of_e4m3_pairs_held`)."""
+    moved next to its neighbour. ``FUSED``: codes and scales in one asm (the same products).
+    This is K's operand (pairs along the head dimension); V's is :func:`fp16_of_nvfp4_quads`."""
     bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0                   # [..., D/16]
     shape: tl.constexpr = codes.shape
     blocks: tl.constexpr = block_scales.shape[-1]
@@ -175,7 +218,7 @@ def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr,
                            shape)
         even, odd = tl.inline_asm_elementwise(_NVFP4_SCALED_PTX, "=r,=r,=r,=r,r,r,r",
                                               [codes, scale], dtype=(tl.float16, tl.float16),
-                                              is_pure=not TRANSPOSED, pack=4)
+                                              is_pure=True, pack=4)
     else:
         if EXACT:
             c = codes.to(tl.uint16)
@@ -233,7 +276,11 @@ def load_codes(cache_ptr, rows, live, R: tl.constexpr, EXACT: tl.constexpr,
         cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint8))
     elif EXACT:   # the interpreter's bf16 is wrong: its bits
         cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint16))
-    if R.kind == READ_NVFP4:
+    if R.kind == READ_NVFP4 and R.quads:   # V: four codes to a uint16
+        d = tl.arange(0, R.block_d // 4)
+        codes = _load((cache_ptr + rows[:, :, None]).to(tl.pointer_type(tl.uint16))
+                      + d[None, None, :], (d < R.head_dim // 4)[None, None, :], 0, live, GUARD)
+    elif R.kind == READ_NVFP4:
         d = tl.arange(0, R.block_d // 2)
         codes = _load(cache_ptr + rows[:, :, None] + d[None, None, :],
                       (d < R.head_dim // 2)[None, None, :], 0, live, GUARD)
@@ -295,9 +342,12 @@ def tile_operand(raw, R: tl.constexpr, F: tl.constexpr, TRANSPOSED: tl.constexpr
     """``(tile, columns)``: the MMA operand of :func:`load_tile`'s bytes ``raw`` and the tokens'
     dynamic scales; ``F``: the cache's codec."""
     codes, blocks, columns = raw
-    if R.kind == READ_NVFP4:
+    if R.kind == READ_NVFP4 and R.quads:
+        BLOCK_CODES: tl.constexpr = F.BLOCK_SCALE
+        tile = fp16_of_nvfp4_quads(codes, blocks, BLOCK_CODES, EXACT)
+    elif R.kind == READ_NVFP4:
         BLOCK_CODES: tl.constexpr = F.BLOCK_SCALE   # (a nested constexpr is passed by name)
-        tile = fp16_of_nvfp4(codes, blocks, BLOCK_CODES, EXACT, R.fuse_scale, TRANSPOSED)
+        tile = fp16_of_nvfp4(codes, blocks, BLOCK_CODES, EXACT, R.fuse_scale)
     elif R.kind == READ_FP8:
         tile = fp16_of_fp8(codes, F, TRANSPOSED, EXACT)
     elif R.kind == READ_MXFP8:   # e4m3 values times their blocks' 2**(e - 127), exact in fp32
@@ -535,10 +585,12 @@ def attend_tile(state, qm, keys, values, seen, sides, scales, live, C: tl.conste
         v_exp = new_exp
         unit = ((127 - v_exp) << 23).to(tl.float32, bitcast=True)
         p = p * (v_cols * unit)[:, None, :]
-    if R_V.kind == READ_NVFP4:
+    if R_V.kind == READ_NVFP4:   # output columns 4j + c, c = 0..3 (fp16_of_nvfp4_quads)
         pv = p.to(tl.float16)
         acc = (tl.dot(pv, v[0], acc[0] * alpha[:, :, None]),
-               tl.dot(pv, v[1], acc[1] * alpha[:, :, None]))
+               tl.dot(pv, v[1], acc[1] * alpha[:, :, None]),
+               tl.dot(pv, v[2], acc[2] * alpha[:, :, None]),
+               tl.dot(pv, v[3], acc[3] * alpha[:, :, None]))
     else:
         acc = acc * alpha[:, :, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
@@ -670,9 +722,11 @@ def _paged_attention_kernel(
         score_scale = score_scale * LOG2E
     m_i = tl.full([T.warps, T.block_m], _NEG_INF, tl.float32)
     l_i = tl.full([T.warps, T.block_m], 0.0, tl.float32)
-    if R_V.kind == READ_NVFP4:   # even and odd output columns
-        acc = (tl.full([T.warps, T.block_m, R_V.block_d // 2], 0.0, tl.float32),
-               tl.full([T.warps, T.block_m, R_V.block_d // 2], 0.0, tl.float32))
+    if R_V.kind == READ_NVFP4:   # output columns 4j + c, c = 0..3
+        acc = (tl.full([T.warps, T.block_m, R_V.block_d // 4], 0.0, tl.float32),
+               tl.full([T.warps, T.block_m, R_V.block_d // 4], 0.0, tl.float32),
+               tl.full([T.warps, T.block_m, R_V.block_d // 4], 0.0, tl.float32),
+               tl.full([T.warps, T.block_m, R_V.block_d // 4], 0.0, tl.float32))
     else:
         acc = tl.full([T.warps, T.block_m, R_V.block_d], 0.0, tl.float32)
     v_exp = 0                                    # 2**v_exp: the unit of acc (dynamic V scales)
@@ -704,10 +758,12 @@ def _paged_attention_kernel(
     m_all_use = tl.where(m_all == _NEG_INF, 0.0, m_all)
     weight = tl.math.exp2(m_i - m_all_use[None, :])
     l_all = tl.reduce(l_i * weight, 0, _sum_combine)
-    if R_V.kind == READ_NVFP4:   # even and odd columns back in order
-        o = tl.reshape(tl.join(warps_sum(acc[0] * weight[:, :, None], T.warps),
-                               warps_sum(acc[1] * weight[:, :, None], T.warps)),
-                       (T.block_m, R_V.block_d))
+    if R_V.kind == READ_NVFP4:   # columns 4j + c back in order
+        s0 = warps_sum(acc[0] * weight[:, :, None], T.warps)
+        s1 = warps_sum(acc[1] * weight[:, :, None], T.warps)
+        s2 = warps_sum(acc[2] * weight[:, :, None], T.warps)
+        s3 = warps_sum(acc[3] * weight[:, :, None], T.warps)
+        o = tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), (T.block_m, R_V.block_d))
     else:
         o = warps_sum(acc * weight[:, :, None], T.warps)
     out_scale = v_static * R_V.unit
