@@ -126,12 +126,14 @@ class Constants(NamedTuple):
 # (``stages``; Triton keeps (stages - 1) // 2 tiles in flight here) for calls that fill the GPU
 # and for split calls; splits are added to calls of fewer than ``split_below`` programs, up to
 # about ``target_programs``, each split taking at least ``min_split_tokens`` tokens.
-# ``packed``: what a packed-code cache (nvfp4) reads with instead, where its decode's registers
-# want other tiles; ``plain``: the same for a bf16 / fp16 cache (twice the shared memory per
-# pipelined tile). bench/NOTES.md ("Paged attention") has the measurements behind the CUDA row
-# (``python -m bench --only attention_sweep``). The interpreter
-# runs one program at a time: small tiles, and splits already for small calls so that the
-# merge kernel runs in CPU tests.
+# ``packed``: what a packed-code cache (nvfp4) reads with instead: 64-token warp tiles (its
+# unpacking leaves it bound by instructions, and the softmax's and the rescale's share per token
+# halves), and ``one_warp_from``: calls of that many programs or more (several waves) run one
+# warp per program, each warp then taking twice the tokens of two (per-program costs halve);
+# ``plain``: the same for a bf16 / fp16 cache (twice the shared memory per pipelined tile).
+# bench/NOTES.md ("Paged attention") has the measurements behind the CUDA row (``python -m
+# bench --only attention_sweep``). The interpreter runs one program at a time: small tiles,
+# and splits already for small calls so that the merge kernel runs in CPU tests.
 # ``peel``: take each program's first tile before the token loop where the key side is read as
 # FP8 or NVFP4 codes (PEELED_READS). Their query is scaled into fp16 before its MMA layout, which
 # Triton reaches through shared memory; with its only user inside the loop Triton reloads the
@@ -154,11 +156,12 @@ ATTENTION_SIZES = {
     CUDA: dict(block_m=16, block_n=32, warps=2, stages=5, split_stages=5, split_below=512,
                target_programs=264, min_split_tokens=256, max_splits=64, merge_rows=4,
                merge_warps=4, peel=True, prefetch=1, pdl=True, fuse_scale=True,
-               packed={}, plain=dict(stages=4, split_stages=4)),
+               one_warp_from=None, packed=dict(block_n=64, one_warp_from=1024),
+               plain=dict(stages=4, split_stages=4)),
     INTERPRET: dict(block_m=16, block_n=16, warps=2, stages=1, split_stages=1, split_below=4,
                     target_programs=4, min_split_tokens=16, max_splits=4, merge_rows=16,
                     merge_warps=1, peel=True, prefetch=0, pdl=False, fuse_scale=True,
-                    packed={}, plain={}),
+                    one_warp_from=None, packed={}, plain={}),
 }
 PEELED_READS = (READ_FP8, READ_NVFP4)
 # ``pdl``: the merge launched as a programmatic dependent of the attention grid (it waits for
@@ -509,9 +512,11 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
     group = args.num_heads // args.num_kv_heads
     block_m = sizes["block_m"]
     m_tiles = -(-args.max_query_len * group // block_m)
-    tile = sizes["warps"] * sizes["block_n"]
-    max_context = args.block_table.shape[1] * kc.page_size
     programs = args.num_seqs * args.num_kv_heads * m_tiles
+    one_warp = sizes["one_warp_from"] is not None and programs >= sizes["one_warp_from"]
+    warps = 1 if one_warp else sizes["warps"]
+    tile = warps * sizes["block_n"]
+    max_context = args.block_table.shape[1] * kc.page_size
     splits = splits_for(programs, max_context, tile, sizes)
     query = args.query
     key_read = _reading(args, args.key_scale, d, sizes)
@@ -522,7 +527,7 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
         key_read, _reading(args, args.value_scale, d, sizes, value=True),
         Geometry(args.num_heads, args.num_kv_heads, group, d, kc.page_size,
                  args.block_table.strides[1]),
-        Tiles(block_m, sizes["block_n"], sizes["warps"], splits, m_tiles,
+        Tiles(block_m, sizes["block_n"], warps, splits, m_tiles,
               sizes["stages" if splits == 1 else "split_stages"], peel,
               sizes["prefetch"] if peel and key_read.columns == COLUMNS_NONE else 0, pdl),
         Options(args.varlen, args.sliding_window is not None, args.logits_soft_cap is not None,
@@ -534,7 +539,7 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
         layer=0 if args.layers is None or args.layers.on_device else args.layers.index,
         stride_table=args.block_table.strides[0])
     grid = (programs, splits)
-    main = LaunchPlan(grid, sizes["warps"], scalars, dict(C=consts),
+    main = LaunchPlan(grid, warps, scalars, dict(C=consts),
                       kernel="_paged_attention_kernel")
     rows = args.num_tokens * args.num_heads
     if splits == 1:

@@ -103,15 +103,20 @@ def test_gpu_exact_conversions_give_the_fast_bytes_and_calls_repeat(case):
     call, c = call_of(case, "cuda")
     fast = attend(call)
     again = attend(call)
-    op = "paged_attention_combined" if "kv_cache" in call else "paged_attention"
-    defaults = {n: p.default for n, p in inspect.signature(getattr(fp8kv_torch, op)).parameters
-                .items() if p.default is not p.empty}
-    exact = _attention.run(op, {**defaults, **call, "exact": True})
+    exact = attend_exact(call)
     assert torch.equal(fast.view(torch.int16), again.view(torch.int16))
     if case.cache in ("bfloat16", "float16"):   # fp32 operands and IEEE dots (SPEC 16.2)
         within_bound(exact, c)
     else:
         assert torch.equal(fast.view(torch.int16), exact.view(torch.int16))
+
+
+def attend_exact(call: dict):
+    """The call through the exact conversions (the interpreter's integer paths, compiled)."""
+    op = "paged_attention_combined" if "kv_cache" in call else "paged_attention"
+    defaults = {n: p.default for n, p in inspect.signature(getattr(fp8kv_torch, op)).parameters
+                .items() if p.default is not p.empty}
+    return _attention.run(op, {**defaults, **call, "exact": True})
 
 
 def _random_case(rng) -> AttentionCase:
@@ -173,6 +178,24 @@ def test_gpu_large_batch_splits_and_merges_every_share():
     ready = next(iter(_attention._READY.values()))
     assert ready.plan.merge is not None     # 3 x 8 programs: split
     within_bound(out, c)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_nvfp4_large_grid_reads_with_one_warp_per_program():
+    """From ``one_warp_from`` programs on an NVFP4 cache each program is one warp (ragged
+    lengths, 0 and 1 among them): within the bound, and the exact conversions' bytes."""
+    lens = tuple(int(n) for n in np.random.default_rng(7).integers(0, 160, 130)) + (0, 1)
+    case = AttentionCase(cache="nvfp4", num_heads=32, num_kv_heads=8, head_dim=128,
+                         seq_lens=lens)
+    call, c = call_of(case, "cuda")
+    _attention.clear()
+    out = attend(call)
+    ready = next(iter(_attention._READY.values()))
+    assert ready.plan.attention.num_warps == 1
+    assert len(lens) * 8 >= ATTENTION_SIZES[CUDA]["packed"]["one_warp_from"]
+    within_bound(out, c)
+    assert torch.equal(out.view(torch.int16), attend_exact(call).view(torch.int16))
 
 
 @requires_cuda
@@ -406,6 +429,8 @@ def _compile_variants():
         ("token-head", arrays(AttentionCase(scale="token_head"))),
         ("inline", arrays(AttentionCase(scale="inline"))),
         ("nvfp4", arrays(AttentionCase(cache="nvfp4", head_dim=128))),
+        ("nvfp4-one-warp", arrays(AttentionCase(cache="nvfp4", num_heads=32, num_kv_heads=8,
+                                                head_dim=128, seq_lens=(64,) * 128))),
         ("mxfp8", arrays(AttentionCase(cache="mxfp8", head_dim=128))),
         ("mxfp8-split-layers-d96", arrays(AttentionCase(cache="mxfp8", head_dim=96, layers=2,
                                                         layer=1, seq_lens=(64,) * 3))),
@@ -423,22 +448,38 @@ def operands_before_last_load(ptx: str) -> int:
     return marks[:last].count("ldmatrix")
 
 
-@pytest.mark.parametrize("name, arrays", [pytest.param(n, a, id=n) for n, a in _compile_variants()])
-def test_kernels_compile_for_sm90(name, arrays):
+def _compile_attention(arrays, exact=None):
+    """``(args, plan, compiled)``: the attention kernel of ``arrays`` as the CUDA plan (or its
+    exact conversions) launches it, compiled for sm_90."""
     from fp8kv import ops
-    from fp8kv.attention import attention_operands, check_attention, merge_operands
+    from fp8kv.attention import attention_operands, check_attention
     from tests.test_sm90_compile import compile_for_hopper
 
     args = check_attention(**arrays)
-    plan = plan_attention(args, CUDA)
+    plan = plan_attention(args, CUDA, exact)
+    ops_map = attention_operands(args, plan)
+    compiled = compile_for_hopper(ops._paged_attention_kernel,
+                                  {o.param: _dtypes(arrays, args)[o.source]
+                                   for o in ops_map.params}, plan.attention)
+    return args, plan, compiled
+
+
+def _dtypes(arrays, args) -> dict:
     dtypes = {n: a.dtype for n, a in arrays.items() if hasattr(a, "dtype")}
     dtypes.update(out=args.out_dtype, partial_out="float32", partial_stats="float32")
     if args.layers is not None and "layer" not in dtypes:
         dtypes["layer"] = "int32"
-    ops_map = attention_operands(args, plan)
-    compiled = compile_for_hopper(ops._paged_attention_kernel,
-                                  {o.param: dtypes[o.source] for o in ops_map.params},
-                                  plan.attention)
+    return dtypes
+
+
+@pytest.mark.parametrize("name, arrays", [pytest.param(n, a, id=n) for n, a in _compile_variants()])
+def test_kernels_compile_for_sm90(name, arrays):
+    from fp8kv import ops
+    from fp8kv.attention import merge_operands
+    from tests.test_sm90_compile import compile_for_hopper
+
+    args, plan, compiled = _compile_attention(arrays)
+    dtypes = _dtypes(arrays, args)
     ptx = compiled.asm["ptx"]
     if name == "e4m3":   # the hardware conversion, four codes per instruction pair
         assert "cvt.rn.f16x2.e4m3x2" in ptx
@@ -454,13 +495,17 @@ def test_kernels_compile_for_sm90(name, arrays):
     if tiles.peel:
         # The query's and the peeled tile's bytes (and the scales) are all requested before any
         # of them is converted (a conversion's barrier would wait for them) -- but NVFP4's V
-        # codes, whose layout change is the MMA operand's own ldmatrix.trans (4 of them, which
-        # Triton puts right after their load): K's codes wait for that one round trip.
-        assert operands_before_last_load(ptx) == (4 if name == "nvfp4" else 0)
+        # codes, whose layout change is the MMA operand's own ldmatrix.trans (one x4 per 8 of a
+        # warp's tokens: 8 rows of 64 bytes), which Triton puts right after their load: K's
+        # codes wait for that one round trip.
+        assert operands_before_last_load(ptx) == (tiles.block_n // 8 if name.startswith("nvfp4")
+                                                  else 0)
     if name == "bfloat16":   # the ``plain`` override: a pipeline that leaves 4 programs per SM
         assert tiles.stages == ATTENTION_SIZES[CUDA]["plain"]["stages"] == 4
         assert compiled.metadata.shared <= 56 * 1024
-    if name == "nvfp4":   # codes times block scales in one asm, fp16 pairs out
+    if name == "nvfp4-one-warp":   # a grid of one_warp_from programs or more
+        assert plan.attention.num_warps == 1
+    if name.startswith("nvfp4"):   # codes times block scales in one asm, fp16 pairs out
         assert "prmt.b32" in ptx and "mul.rn.f16x2" in ptx
         # K's pairs along the head dimension (0x1404), V's pairs of tokens (0x2404) straight
         # from the codes' ldmatrix.trans: no fp16 V tile goes through shared memory.
@@ -478,3 +523,4 @@ def test_kernels_compile_for_sm90(name, arrays):
                                     {o.param: dtypes[o.source] for o in merge.params}, plan.merge)
         # A dependent launch waits for the attention grid inside the merge.
         assert ("griddepcontrol.wait" in merged.asm["ptx"]) == plan.merge.launch_pdl
+

@@ -180,6 +180,8 @@ def fp16_of_nvfp4_quads(quads, block_scales, F: tl.constexpr, EXACT: tl.constexp
     """``(c0, c1, c2, c3)``: fp16 of NVFP4 codes read four to a uint16 ``[..., D / 4]``
     (code ``c`` of each: element ``4j + c``) times their block scales, as
     :func:`fp16_of_nvfp4` makes them."""
+    # The scales' conversion stays pure (as K's): the dot then gives its operands the layout that
+    # the exact path's integer conversion of the same bytes gets, so the two give the same bytes.
     bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0                   # [..., D/16]
     shape: tl.constexpr = quads.shape
     blocks: tl.constexpr = block_scales.shape[-1]
