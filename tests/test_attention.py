@@ -244,6 +244,25 @@ def test_other_warp_counts_merge_their_states(warps, seq_lens, device, monkeypat
         _attention.clear()
 
 
+@pytest.mark.parametrize("seq_lens", [(40, 3), (200,)], ids=["unsplit", "split"])
+def test_nvfp4_calls_from_one_warp_from_programs_read_with_one_warp(seq_lens, device,
+                                                                      monkeypatch):
+    """``one_warp_from`` (the CUDA row's NVFP4 override) lowered to 1: every call's programs
+    are one warp each, split or not, within the bound."""
+    sizes = ATTENTION_SIZES[INTERPRET] if device == "cpu" else ATTENTION_SIZES[CUDA]["packed"]
+    monkeypatch.setitem(sizes, "one_warp_from", 1)
+    case = AttentionCase(cache="nvfp4", seq_lens=seq_lens, head_dim=64, page_size=8)
+    call, c = call_of(case, device)
+    _attention.clear()
+    try:
+        within_bound(attend(call), c)
+        plan = next(iter(_attention._READY.values())).plan
+        assert plan.attention.num_warps == plan.attention.constexprs["C"].tiles.warps == 1
+    finally:
+        monkeypatch.undo()
+        _attention.clear()
+
+
 @requires_cuda
 @pytest.mark.gpu
 def test_gpu_dependent_launch_and_prefetch_change_no_byte(monkeypatch):
@@ -448,15 +467,15 @@ def operands_before_last_load(ptx: str) -> int:
     return marks[:last].count("ldmatrix")
 
 
-def _compile_attention(arrays, exact=None):
-    """``(args, plan, compiled)``: the attention kernel of ``arrays`` as the CUDA plan (or its
-    exact conversions) launches it, compiled for sm_90."""
+def _compile_attention(arrays):
+    """``(args, plan, compiled)``: the attention kernel of ``arrays`` as the CUDA plan launches
+    it, compiled for sm_90."""
     from fp8kv import ops
     from fp8kv.attention import attention_operands, check_attention
     from tests.test_sm90_compile import compile_for_hopper
 
     args = check_attention(**arrays)
-    plan = plan_attention(args, CUDA, exact)
+    plan = plan_attention(args, CUDA)
     ops_map = attention_operands(args, plan)
     compiled = compile_for_hopper(ops._paged_attention_kernel,
                                   {o.param: _dtypes(arrays, args)[o.source]

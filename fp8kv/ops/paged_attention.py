@@ -143,36 +143,30 @@ _NVFP4_HIGH_BYTES = """
     or.b32 g, a, b;
 """
 
-# K: four bytes of a token's row to fp16 bits, each pair then multiplied by its block scale
-# (``$5``, ``$6``: the scale of elements 0-1 and 2-3 as fp16 pairs): the MMA operands leave the
+
+def _scaled_pairs_ptx(pairs) -> str:
+    """The asm of :data:`_NVFP4_HIGH_BYTES`, then output ``$k`` for each ``(bytes, selector,
+    scale)`` of ``pairs``: two of those high bytes moved in front of zero low bytes by ``prmt``,
+    the fp16 pair times the scale pair."""
+    return "{" + _NVFP4_HIGH_BYTES + "".join(
+        f"    prmt.b32 a, {src}, 0, {selector};\n    mul.rn.f16x2 ${k}, a, {scale};\n"
+        for k, (src, selector, scale) in enumerate(pairs)) + "}"
+
+
+# K: four bytes of a token's row to fp16 pairs (bytes 0-1, then 2-3, of h and of g), each times
+# its block scales (``$5`` of bytes 0-1, ``$6`` of 2-3, as fp16 pairs): the MMA operands leave the
 # asm as the 32-bit pairs the dot takes, where a multiply outside it makes Triton unpack and
 # repack every fp16 around it.
-_NVFP4_SCALED_PTX: tl.constexpr = tl.constexpr("{" + _NVFP4_HIGH_BYTES + """
-    prmt.b32 a, h, 0, 0x1404;
-    mul.rn.f16x2 $0, a, $5;
-    prmt.b32 a, h, 0, 0x3424;
-    mul.rn.f16x2 $1, a, $6;
-    prmt.b32 a, g, 0, 0x1404;
-    mul.rn.f16x2 $2, a, $5;
-    prmt.b32 a, g, 0, 0x3424;
-    mul.rn.f16x2 $3, a, $6;
-}""")
+_NVFP4_SCALED_PTX: tl.constexpr = tl.constexpr(_scaled_pairs_ptx((
+    ("h", "0x1404", "$5"), ("h", "0x3424", "$6"), ("g", "0x1404", "$5"), ("g", "0x3424", "$6"))))
 
 # V: four codes of a token (16 bits) and the same four of the next token ($4: the two as the
 # 32-bit pair that the transposed MMA operand holds) to fp16 pairs (token, next token), one per
 # code position 0..3 (bytes 0 and 2 of h, of g, then bytes 1 and 3), each times the two
 # tokens' block scales ($5). No byte moves between the tokens: ldmatrix.trans already paired
 # them, which is why V is read this way.
-_NVFP4_QUADS_PTX: tl.constexpr = tl.constexpr("{" + _NVFP4_HIGH_BYTES + """
-    prmt.b32 a, h, 0, 0x2404;
-    mul.rn.f16x2 $0, a, $5;
-    prmt.b32 a, g, 0, 0x2404;
-    mul.rn.f16x2 $1, a, $5;
-    prmt.b32 a, h, 0, 0x3414;
-    mul.rn.f16x2 $2, a, $5;
-    prmt.b32 a, g, 0, 0x3414;
-    mul.rn.f16x2 $3, a, $5;
-}""")
+_NVFP4_QUADS_PTX: tl.constexpr = tl.constexpr(_scaled_pairs_ptx((
+    ("h", "0x2404", "$5"), ("g", "0x2404", "$5"), ("h", "0x3414", "$5"), ("g", "0x3414", "$5"))))
 
 
 @jit
@@ -180,8 +174,9 @@ def fp16_of_nvfp4_quads(quads, block_scales, F: tl.constexpr, EXACT: tl.constexp
     """``(c0, c1, c2, c3)``: fp16 of NVFP4 codes read four to a uint16 ``[..., D / 4]``
     (code ``c`` of each: element ``4j + c``) times their block scales, as
     :func:`fp16_of_nvfp4` makes them."""
-    # The scales' conversion stays pure (as K's): the dot then gives its operands the layout that
-    # the exact path's integer conversion of the same bytes gets, so the two give the same bytes.
+    # The scales' conversion stays pure, as K's: marked impure (fewer instructions) it gave the PV
+    # dot other operand layouts than the exact path's, and a large call other bytes than that
+    # path's (bench/NOTES.md).
     bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0                   # [..., D/16]
     shape: tl.constexpr = quads.shape
     blocks: tl.constexpr = block_scales.shape[-1]
