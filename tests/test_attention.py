@@ -457,14 +457,16 @@ def _compile_variants():
     ]
 
 
-def operands_before_last_load(ptx: str) -> int:
-    """``ldmatrix`` instructions (a tile's bytes reaching an MMA operand's layout) before the
-    last 128-bit global load that precedes the first MMA (the PTX keeps that order: no load
-    moves across the barrier that guards the shared-memory round trip)."""
+def operands_before_last_load(ptx: str) -> tuple[int, int]:
+    """``(plain, transposed)``: the ``ldmatrix`` instructions (a tile's bytes reaching an MMA
+    operand's layout) before the last 128-bit global load that precedes the first MMA, without
+    and with ``.trans`` (the PTX keeps that order: no load moves across the barrier that guards
+    the shared-memory round trip)."""
     head = ptx[:ptx.index("mma.sync")]
-    marks = re.findall(r"ld\.global\.v4\.b32|ldmatrix", head)
-    last = max(k for k, m in enumerate(marks) if m != "ldmatrix")
-    return marks[:last].count("ldmatrix")
+    marks = re.findall(r"ld\.global\.v4\.b32|ldmatrix\S*", head)
+    last = max(k for k, m in enumerate(marks) if not m.startswith("ldmatrix"))
+    trans = sum(m.startswith("ldmatrix") and ".trans" in m for m in marks[:last])
+    return sum(m.startswith("ldmatrix") for m in marks[:last]) - trans, trans
 
 
 def _compile_attention(arrays):
@@ -516,9 +518,11 @@ def test_kernels_compile_for_sm90(name, arrays):
         # of them is converted (a conversion's barrier would wait for them) -- but NVFP4's V
         # codes, whose layout change is the MMA operand's own ldmatrix.trans (one x4 per 8 of a
         # warp's tokens: 8 rows of 64 bytes), which Triton puts right after their load: K's
-        # codes wait for that one round trip.
-        assert operands_before_last_load(ptx) == (tiles.block_n // 8 if name.startswith("nvfp4")
-                                                  else 0)
+        # codes wait for that one round trip. (Triton 3.8 also converts the NVFP4 kernel's
+        # query right after its load, as it keeps the e4m3 query's shared buffer above.)
+        nvfp4 = name.startswith("nvfp4")
+        plain = 1 if nvfp4 and triton.__version__.startswith("3.8.") else 0
+        assert operands_before_last_load(ptx) == (plain, tiles.block_n // 8 if nvfp4 else 0)
     if name == "bfloat16":   # the ``plain`` override: a pipeline that leaves 4 programs per SM
         assert tiles.stages == ATTENTION_SIZES[CUDA]["plain"]["stages"] == 4
         assert compiled.metadata.shared <= 56 * 1024
