@@ -170,6 +170,22 @@ _NVFP4_QUADS_PTX: tl.constexpr = tl.constexpr(_scaled_pairs_ptx((
 
 
 @jit
+def _e2m1_fp16(bits):
+    """fp16 of the E2M1 code in the low 4 bits of ``bits`` (uint16) times ``2**-14``, exactly:
+    sign to bit 15, magnitude to bits 9-11 (the interpreter's path of the unpacking asm)."""
+    return (((bits & 0x7) << 9) | ((bits & 0x8) << 12)).to(tl.float16, bitcast=True)
+
+
+@jit
+def _per_element(block_values, shape: tl.constexpr):
+    """``[A, B, blocks]`` block values repeated over the ``shape[-1] / blocks`` elements of
+    their block: ``shape``."""
+    blocks: tl.constexpr = block_values.shape[-1]
+    return tl.reshape(tl.broadcast_to(block_values[:, :, :, None],
+                                      (shape[0], shape[1], blocks, shape[2] // blocks)), shape)
+
+
+@jit
 def fp16_of_nvfp4_quads(quads, block_scales, F: tl.constexpr, EXACT: tl.constexpr):
     """``(c0, c1, c2, c3)``: fp16 of NVFP4 codes read four to a uint16 ``[..., D / 4]``
     (code ``c`` of each: element ``4j + c``) times their block scales, as
@@ -177,17 +193,13 @@ def fp16_of_nvfp4_quads(quads, block_scales, F: tl.constexpr, EXACT: tl.constexp
     # The scales' conversion stays pure, as K's: marked impure (fewer instructions) it gave the PV
     # dot other operand layouts than the exact path's, and a large call other bytes than that
     # path's (bench/NOTES.md).
-    bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0                   # [..., D/16]
-    shape: tl.constexpr = quads.shape
-    blocks: tl.constexpr = block_scales.shape[-1]
-    scale = tl.reshape(tl.broadcast_to(bs[:, :, :, None], (shape[0], shape[1], blocks, 4)),
-                       shape)
+    scale = _per_element(fp16_of_fp8(block_scales, F, False, EXACT) * 64.0, quads.shape)
     if EXACT:
         x = quads.to(tl.uint16)
-        c0 = ((((x & 0x7) << 9) | ((x & 0x8) << 12)).to(tl.float16, bitcast=True)) * scale
-        c1 = (((((x >> 4) & 0x7) << 9) | ((x & 0x80) << 8)).to(tl.float16, bitcast=True)) * scale
-        c2 = (((((x >> 8) & 0x7) << 9) | ((x & 0x800) << 4)).to(tl.float16, bitcast=True)) * scale
-        c3 = (((((x >> 12) & 0x7) << 9) | (x & 0x8000)).to(tl.float16, bitcast=True)) * scale
+        c0 = _e2m1_fp16(x) * scale
+        c1 = _e2m1_fp16(x >> 4) * scale
+        c2 = _e2m1_fp16(x >> 8) * scale
+        c3 = _e2m1_fp16(x >> 12) * scale
     else:
         c0, c1, c2, c3 = tl.inline_asm_elementwise(
             _NVFP4_QUADS_PTX, "=r,=r,=r,=r,r,r", [quads, scale],
@@ -211,16 +223,15 @@ def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr,
     shape: tl.constexpr = codes.shape
     blocks: tl.constexpr = block_scales.shape[-1]
     if FUSED and not EXACT:
-        scale = tl.reshape(tl.broadcast_to(bs[:, :, :, None], (shape[0], shape[1], blocks, 8)),
-                           shape)
+        scale = _per_element(bs, shape)
         even, odd = tl.inline_asm_elementwise(_NVFP4_SCALED_PTX, "=r,=r,=r,=r,r,r,r",
                                               [codes, scale], dtype=(tl.float16, tl.float16),
                                               is_pure=True, pack=4)
     else:
         if EXACT:
             c = codes.to(tl.uint16)
-            even = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True)
-            odd = ((((c >> 4) & 0x7) << 9) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True)
+            even = _e2m1_fp16(c)
+            odd = _e2m1_fp16(c >> 4)
         else:   # the same bits, four bytes at a time
             even = tl.inline_asm_elementwise(_NVFP4_EVEN_PTX, "=r,=r,r", [codes],
                                              dtype=tl.float16, is_pure=True, pack=4)
