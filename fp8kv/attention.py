@@ -48,9 +48,10 @@ class Reading(NamedTuple):
     whether the call has a side array for it (dynamic or block scales), head_dim and its
     power-of-two tile width, and ``unit``, what the fp16 operand is multiplied by to give the
     value (NVFP4: 2**8); ``fuse_scale`` (NVFP4): the block scales multiply the codes inside
-    the unpacking asm (``ATTENTION_SIZES``); ``quads`` (NVFP4's V): the codes are read four to
-    a 16-bit element, which reaches the transposed MMA operand as it is stored
-    (``ldmatrix.trans``) and is unpacked there."""
+    the unpacking asm (``ATTENTION_SIZES``); ``transposed`` (V): the tile is read as
+    ``[W, D, N]``, the PV MMA's A operand V^T, which Triton's pipeline then brings from shared
+    memory with ``ldmatrix.trans``; ``quads`` (NVFP4's V): the codes are read four to a 16-bit
+    element, which reaches that operand as it is stored and is unpacked there."""
 
     kind: int
     scale: int
@@ -62,6 +63,7 @@ class Reading(NamedTuple):
     plain_bf16: bool = False   # READ_PLAIN: a bf16 (else fp16) cache
     fuse_scale: bool = False
     quads: bool = False
+    transposed: bool = False
 
 
 class QueryRows(NamedTuple):
@@ -79,9 +81,9 @@ class Geometry(NamedTuple):
 
 
 class Tiles(NamedTuple):
-    """``block_m`` query rows x ``warps * block_n`` tokens per step; ``splits`` programs per row
-    tile share the tokens; ``m_tiles`` row tiles per (sequence, kv head); ``stages`` the token
-    loop's software pipelining; ``peel``: the first tile is taken before the loop, ``prefetch``
+    """``block_m`` query rows (the MMAs' N) x ``warps * block_n`` tokens (their M) per step;
+    ``splits`` programs per row tile share the tokens; ``m_tiles`` row tiles per (sequence, kv
+    head); ``stages`` the token loop's software pipelining; ``peel``: the first tile is taken before the loop, ``prefetch``
     the tiles after it asked of L2, ``pdl`` the merge launched as a dependent (see
     ``ATTENTION_SIZES``)."""
 
@@ -122,14 +124,15 @@ class Constants(NamedTuple):
     options: Options
 
 
-# Per backend: query rows per tile, tokens per warp and step, warps; the token loop's pipelining
-# (``stages``; Triton keeps (stages - 1) // 2 tiles in flight here) for calls that fill the GPU
-# and for split calls; splits are added to calls of fewer than ``split_below`` programs, up to
-# about ``target_programs``, each split taking at least ``min_split_tokens`` tokens.
-# ``packed``: what a packed-code cache (nvfp4) reads with instead: 64-token warp tiles (its
-# unpacking leaves it bound by instructions, and the softmax's and the rescale's share per token
-# halves), and ``one_warp_from``: calls of that many programs or more (several waves) run one
-# warp per program, each warp then taking twice the tokens of two (per-program costs halve);
+# Per backend: query rows per tile (the MMAs' N: the next power of two of a call's rows per
+# (sequence, kv head), from ``min_block_m``, the MMA's 8 columns, up to ``block_m``), tokens per
+# warp and step, warps; the token loop's pipelining (``stages``; Triton keeps (stages - 1) // 2
+# tiles in flight here) for calls that fill the GPU and for split calls; splits are added to
+# calls of fewer than ``split_below`` programs, up to about ``target_programs``, each split
+# taking at least ``min_split_tokens`` tokens.
+# ``packed``: what a packed-code cache (nvfp4) reads with instead: ``one_warp_from``, calls of
+# that many programs or more (several waves) run one warp per program, each warp then taking
+# the tokens of two (per-program costs halve);
 # ``plain``: the same for a bf16 / fp16 cache (twice the shared memory per pipelined tile).
 # bench/NOTES.md ("Paged attention") has the measurements behind the CUDA row (``python -m
 # bench --only attention_sweep``). The interpreter runs one program at a time: small tiles,
@@ -153,15 +156,15 @@ class Constants(NamedTuple):
 # which Triton splits and rejoins every pair: fewer instructions per step in the sm_90 compile,
 # the same products. The interpreter has no asm: there it changes nothing.
 ATTENTION_SIZES = {
-    CUDA: dict(block_m=16, block_n=32, warps=2, stages=5, split_stages=5, split_below=512,
-               target_programs=264, min_split_tokens=256, max_splits=64, merge_rows=4,
-               merge_warps=4, peel=True, prefetch=1, pdl=True, fuse_scale=True,
-               one_warp_from=None, packed=dict(block_n=64, one_warp_from=1024),
+    CUDA: dict(block_m=16, min_block_m=8, block_n=32, warps=2, stages=5, split_stages=5,
+               split_below=512, target_programs=264, min_split_tokens=256, max_splits=64,
+               merge_rows=4, merge_warps=4, peel=True, prefetch=1, pdl=True, fuse_scale=True,
+               one_warp_from=None, packed=dict(one_warp_from=1024),
                plain=dict(stages=4, split_stages=4)),
-    INTERPRET: dict(block_m=16, block_n=16, warps=2, stages=1, split_stages=1, split_below=4,
-                    target_programs=4, min_split_tokens=16, max_splits=4, merge_rows=16,
-                    merge_warps=1, peel=True, prefetch=0, pdl=False, fuse_scale=True,
-                    one_warp_from=None, packed={}, plain={}),
+    INTERPRET: dict(block_m=16, min_block_m=8, block_n=16, warps=2, stages=1, split_stages=1,
+                    split_below=4, target_programs=4, min_split_tokens=16, max_splits=4,
+                    merge_rows=16, merge_warps=1, peel=True, prefetch=0, pdl=False,
+                    fuse_scale=True, one_warp_from=None, packed={}, plain={}),
 }
 PEELED_READS = (READ_FP8, READ_NVFP4)
 # ``pdl``: the merge launched as a programmatic dependent of the attention grid (it waits for
@@ -475,16 +478,17 @@ def _reading(args: AttentionArgs, side: SideScale, head_dim: int, sizes: dict,
     fmt = args.fmt
     if fmt is None:
         return Reading(READ_PLAIN, ScaleKind.NONE.id, COLUMNS_NONE, False, head_dim, block_d,
-                       1.0, args.query.dtype == "bfloat16")
+                       1.0, args.query.dtype == "bfloat16", transposed=value)
     if fmt.packed:
         return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 256.0,
-                       fuse_scale=sizes["fuse_scale"], quads=value)
+                       fuse_scale=sizes["fuse_scale"], quads=value, transposed=value)
     if fmt.block_scaled:   # mxfp8: fp32 operands, the block scales applied to them
-        return Reading(READ_MXFP8, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 1.0)
+        return Reading(READ_MXFP8, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 1.0,
+                       transposed=value)
     columns = (COLUMNS_INLINE if args.inline_pad and side.is_dynamic else
                COLUMNS_ARRAY if side.is_dynamic else COLUMNS_NONE)
     return Reading(READ_FP8, side.kind.id, columns, columns == COLUMNS_ARRAY, head_dim, block_d,
-                   1.0)
+                   1.0, transposed=value)
 
 
 def splits_for(programs: int, max_context: int, tile: int, sizes: dict) -> int:
@@ -510,7 +514,8 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
     d = args.head_dim
     kc = args.key_cache
     group = args.num_heads // args.num_kv_heads
-    block_m = sizes["block_m"]
+    block_m = min(sizes["block_m"],
+                  max(sizes["min_block_m"], triton.next_power_of_2(args.max_query_len * group)))
     m_tiles = -(-args.max_query_len * group // block_m)
     programs = args.num_seqs * args.num_kv_heads * m_tiles
     one_warp = sizes["one_warp_from"] is not None and programs >= sizes["one_warp_from"]

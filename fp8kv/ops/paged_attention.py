@@ -6,7 +6,8 @@ query token ``r // GROUP`` of the sequence and query head ``h * GROUP + r % GROU
 group shares every K/V tile it reads -- and the ``split``-th share of the tokens those rows see.
 Its ``W`` warps each take ``BLOCK_N`` consecutive tokens of a ``W * BLOCK_N`` tile (a batch of
 ``W`` dots: no warp waits for another inside the loop) and keep their own online softmax; the
-program merges them at the end. A program whose tokens are all one split writes the output;
+program merges them at the end. The tokens are the MMAs' M dimension and the query rows their N
+(scores K Q^T, the output's transpose V^T P^T: :func:`attend_tile`). A program whose tokens are all one split writes the output;
 otherwise it writes fp32 partials (``acc``, row max, row sum) that :func:`_attention_merge_kernel`
 combines in split order, so a call gives the same bytes every time (with the plan's ``pdl`` that
 kernel is launched as a programmatic dependent of this grid and waits for it inside).
@@ -187,13 +188,19 @@ def _per_element(block_values, shape: tl.constexpr):
 
 @jit
 def fp16_of_nvfp4_quads(quads, block_scales, F: tl.constexpr, EXACT: tl.constexpr):
-    """``(c0, c1, c2, c3)``: fp16 of NVFP4 codes read four to a uint16 ``[..., D / 4]``
-    (code ``c`` of each: element ``4j + c``) times their block scales, as
-    :func:`fp16_of_nvfp4` makes them."""
+    """``(c0, c1, c2, c3)``, each ``[W, D / 4, N]``: fp16 of NVFP4 codes read four to a uint16
+    ``[W, N, D / 4]`` (code ``c`` of each: element ``4j + c``) times their block scales
+    ``[W, N, D / 16]``, as :func:`fp16_of_nvfp4` makes them, transposed: V^T, the MMA's A
+    operand. The codes are transposed before they are unpacked, so that ``ldmatrix.trans``
+    brings them from shared memory into that operand as stored."""
     # The scales' conversion stays pure, as K's: marked impure (fewer instructions) it gave the PV
     # dot other operand layouts than the exact path's, and a large call other bytes than that
     # path's (bench/NOTES.md).
-    scale = _per_element(fp16_of_fp8(block_scales, F, False, EXACT) * 64.0, quads.shape)
+    bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0
+    shape: tl.constexpr = quads.shape
+    blocks: tl.constexpr = block_scales.shape[1]
+    scale = tl.reshape(tl.broadcast_to(bs[:, :, None, :],
+                                       (shape[0], blocks, shape[1] // blocks, shape[2])), shape)
     if EXACT:
         x = quads.to(tl.uint16)
         c0 = _e2m1_fp16(x) * scale
@@ -274,32 +281,54 @@ def _load(ptrs, mask, other, live, GUARD: tl.constexpr):
 
 
 @jit
+def _at_columns(rows, cols, TRANSPOSED: tl.constexpr):
+    """``rows[:, :, None] + cols`` (``rows``: ``[W, N]`` pointers): ``[W, N, C]``, or
+    ``[W, C, N]`` when ``TRANSPOSED``."""
+    if TRANSPOSED:
+        x = rows[:, None, :] + cols[None, :, None]
+    else:
+        x = rows[:, :, None] + cols[None, None, :]
+    return x
+
+
+@jit
+def _columns(ok, TRANSPOSED: tl.constexpr):
+    """A column mask ``[C]`` broadcastable against :func:`_at_columns`' result."""
+    if TRANSPOSED:
+        x = ok[None, :, None]
+    else:
+        x = ok[None, None, :]
+    return x
+
+
+@jit
 def load_codes(cache_ptr, rows, live, R: tl.constexpr, EXACT: tl.constexpr,
                GUARD: tl.constexpr):
-    """One side's codes of a tile as stored, ``[W, BLOCK_N, D]`` (NVFP4: ``D / 2`` bytes; a
-    bf16 / fp16 cache's bits where the interpreter would read them). ``rows``: their rows'
+    """One side's codes of a tile as stored, ``[W, BLOCK_N, D]`` (NVFP4: ``D / 2`` bytes, or
+    ``D / 4`` uint16 with ``R.quads``; a bf16 / fp16 cache's bits where the interpreter would
+    read them), transposed (``[W, D, BLOCK_N]``) with ``R.transposed``. ``rows``: their rows'
     offsets in the cache (:func:`fp8kv.ops.addressing.slot_rows`; the pointer is at the
     program's kv head). With ``GUARD``, nothing is read unless ``live`` (zeros instead)."""
+    TR: tl.constexpr = R.transposed
     if R.kind != READ_PLAIN:   # codes are bytes, whatever the cache's dtype
         cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint8))
     elif EXACT:   # the interpreter's bf16 is wrong: its bits
         cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint16))
-    if R.kind == READ_NVFP4 and R.quads:   # V: four codes to a uint16
+    if R.kind == READ_NVFP4 and R.quads:   # four codes to a uint16
         d = tl.arange(0, R.block_d // 4)
-        codes = _load((cache_ptr + rows[:, :, None]).to(tl.pointer_type(tl.uint16))
-                      + d[None, None, :], (d < R.head_dim // 4)[None, None, :], 0, live, GUARD)
+        codes = _load(_at_columns((cache_ptr + rows).to(tl.pointer_type(tl.uint16)), d, TR),
+                      _columns(d < R.head_dim // 4, TR), 0, live, GUARD)
     elif R.kind == READ_NVFP4:
         d = tl.arange(0, R.block_d // 2)
-        codes = _load(cache_ptr + rows[:, :, None] + d[None, None, :],
-                      (d < R.head_dim // 2)[None, None, :], 0, live, GUARD)
+        codes = _load(_at_columns(cache_ptr + rows, d, TR), _columns(d < R.head_dim // 2, TR), 0,
+                      live, GUARD)
     else:
         d = tl.arange(0, R.block_d)
         if R.block_d == R.head_dim:
-            codes = _load(cache_ptr + rows[:, :, None] + d[None, None, :], None, None, live,
-                          GUARD)
+            codes = _load(_at_columns(cache_ptr + rows, d, TR), None, None, live, GUARD)
         else:   # head_dim 80, 96, ...: the tile's padding columns are zeros
-            codes = _load(cache_ptr + rows[:, :, None] + d[None, None, :],
-                          (d < R.head_dim)[None, None, :], 0, live, GUARD)
+            codes = _load(_at_columns(cache_ptr + rows, d, TR), _columns(d < R.head_dim, TR), 0,
+                          live, GUARD)
     return codes
 
 
@@ -307,21 +336,22 @@ def load_codes(cache_ptr, rows, live, R: tl.constexpr, EXACT: tl.constexpr,
 def load_scales(cache_ptr, side_ptr, rows, live, R: tl.constexpr, F: tl.constexpr,
                 GUARD: tl.constexpr):
     """``(blocks, columns)``: the block scales of a tile's codes (NVFP4: e4m3 ``[W, BLOCK_N,
-    D / 16]``; MXFP8: each column's E8M0, ``[W, BLOCK_N, D]``; else 0) and the tokens' dynamic
-    scales ``[W, BLOCK_N]`` (1.0 without), as :func:`load_codes` reads codes; ``rows``: the
-    rows' offsets in the cache and in the side array."""
+    D / 16]``; MXFP8: each column's E8M0, ``[W, BLOCK_N, D]``; both transposed as the codes;
+    else 0) and the tokens' dynamic scales ``[W, BLOCK_N]`` (1.0 without), as
+    :func:`load_codes` reads codes; ``rows``: the rows' offsets in the cache and in the side
+    array."""
+    TR: tl.constexpr = R.transposed
     rows, srows = rows
     blocks = 0
     if R.kind == READ_NVFP4:
         db = tl.arange(0, R.block_d // 16)
-        blocks = _load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
-                       + db[None, None, :], (db < R.head_dim // 16)[None, None, :], 0, live,
-                       GUARD)
+        blocks = _load(_at_columns(side_ptr.to(tl.pointer_type(tl.uint8)) + srows, db, TR),
+                       _columns(db < R.head_dim // 16, TR), 0, live, GUARD)
     elif R.kind == READ_MXFP8:   # each column's block exponent (padding: 2**0)
         d = tl.arange(0, R.block_d)
-        blocks = _load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows[:, :, None]
-                       + (d // F.BLOCK_SIZE)[None, None, :], (d < R.head_dim)[None, None, :],
-                       127, live, GUARD)
+        blocks = _load(_at_columns(side_ptr.to(tl.pointer_type(tl.uint8)) + srows,
+                                   d // F.BLOCK_SIZE, TR), _columns(d < R.head_dim, TR), 127,
+                       live, GUARD)
     if R.columns == COLUMNS_ARRAY:
         columns = _load(side_ptr + srows, None, None, live, GUARD)
     elif R.columns == COLUMNS_INLINE:   # the fp32 after the row's head_dim codes
@@ -544,14 +574,19 @@ def prefetch_rows(ahead, sides, C: tl.constexpr):
 
 
 @jit
-def attend_tile(state, qm, keys, values, seen, sides, scales, live, C: tl.constexpr,
+def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.constexpr,
                 GUARD: tl.constexpr):
     """One step of the token loop: a tile read by :func:`read_keys` (``keys``) folded into the
     online softmax ``state`` = ``(m, l, acc, v_exp)``; its V operand ``values`` as
     :func:`value_operand` gives it, or None: read here, after the scores (in the pipelined loop
-    Triton issues the loads ahead anyway). ``scales``: the score scale and the soft cap;
-    ``C``: the constexprs. A guarded tile past the share's end leaves the state as it is
-    (every score is masked)."""
+    Triton issues the loads ahead anyway). ``qt``: the query rows' transpose ``[W, D, M]``;
+    ``scales``: the score scale and the soft cap; ``C``: the constexprs. A guarded tile past the
+    share's end leaves the state as it is (every score is masked).
+
+    Tokens are the MMAs' M dimension and query rows their N (scores ``[W, N, M]`` = K Q^T, the
+    output's transpose ``[W, D, M]`` += V^T P^T): a GQA group of 4 or 8 heads fills an MMA's 8
+    columns, where as its 16 rows three quarters of every score, exponential and rescaled
+    accumulator would be padding."""
     R_K: tl.constexpr = C.key_read
     R_V: tl.constexpr = C.value_read
     OPT: tl.constexpr = C.options
@@ -560,26 +595,26 @@ def attend_tile(state, qm, keys, values, seen, sides, scales, live, C: tl.conste
     score_scale, soft_cap = scales
     t, k, k_cols, v_rows = keys
     if R_K.kind == READ_NVFP4:   # even and odd halves of the head dimension
-        s = tl.dot(qm[0], tl.permute(k[0], (0, 2, 1)))
-        s = tl.dot(qm[1], tl.permute(k[1], (0, 2, 1)), s)
+        s = tl.dot(k[0], qt[0])
+        s = tl.dot(k[1], qt[1], s)
     else:
-        s = tl.dot(qm, tl.permute(k, (0, 2, 1)), input_precision="ieee")   # [W, M, N]
+        s = tl.dot(k, qt, input_precision="ieee")                  # [W, N, M]
     s = s * score_scale
     if R_K.columns != COLUMNS_NONE:
-        s = s * k_cols[:, None, :]
+        s = s * k_cols[:, :, None]
     if OPT.soft_cap:
         s = _soft_cap(s, soft_cap) * LOG2E
-    ok = (t < end)[:, None, :]
+    ok = (t < end)[:, :, None]
     if OPT.varlen:                                              # causal among the queries
-        ok = ok & (t[:, None, :] <= pos3)
+        ok = ok & (t[:, :, None] <= pos3)
     if OPT.window:
-        ok = ok & (t[:, None, :] > pos3 - window)
+        ok = ok & (t[:, :, None] > pos3 - window)
     s = tl.where(ok, s, _NEG_INF)
-    m_new = tl.maximum(m_i, tl.reduce(s, 2, max_combine))
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
     m_use = tl.where(m_new == _NEG_INF, 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, :, None])
-    l_i = l_i * alpha + tl.reduce(p, 2, _sum_combine)
+    p = tl.math.exp2(s - m_use[:, None, :])
+    l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
     if values is None:
         values = value_operand(load_values(v_rows, sides, live, C, GUARD), C)
     v, v_cols = values
@@ -592,16 +627,16 @@ def attend_tile(state, qm, keys, values, seen, sides, scales, live, C: tl.conste
         alpha = alpha * ((127 + v_exp - new_exp) << 23).to(tl.float32, bitcast=True)
         v_exp = new_exp
         unit = ((127 - v_exp) << 23).to(tl.float32, bitcast=True)
-        p = p * (v_cols * unit)[:, None, :]
+        p = p * (v_cols * unit)[:, :, None]
     if R_V.kind == READ_NVFP4:   # output columns 4j + c, c = 0..3 (fp16_of_nvfp4_quads)
         pv = p.to(tl.float16)
-        acc = (tl.dot(pv, v[0], acc[0] * alpha[:, :, None]),
-               tl.dot(pv, v[1], acc[1] * alpha[:, :, None]),
-               tl.dot(pv, v[2], acc[2] * alpha[:, :, None]),
-               tl.dot(pv, v[3], acc[3] * alpha[:, :, None]))
+        acc = (tl.dot(v[0], pv, acc[0] * alpha[:, None, :]),
+               tl.dot(v[1], pv, acc[1] * alpha[:, None, :]),
+               tl.dot(v[2], pv, acc[2] * alpha[:, None, :]),
+               tl.dot(v[3], pv, acc[3] * alpha[:, None, :]))
     else:
-        acc = acc * alpha[:, :, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        acc = acc * alpha[:, None, :]
+        acc = tl.dot(v, p.to(v.dtype), acc, input_precision="ieee")
     m_i = m_new
     return m_i, l_i, acc, v_exp
 
@@ -696,7 +731,7 @@ def _paged_attention_kernel(
     if R_V.side:
         value_side_ptr += h * VALUE.SCALES.HEAD
     sides = (key_cache_ptr, value_cache_ptr, key_side_ptr, value_side_ptr)
-    seen = (end, last, pos[None, :, None], window)
+    seen = (end, last, pos[None, None, :], window)
     # The first tile before the loop (``peel``): the query's MMA operand then has a user outside
     # the loop too, so Triton loads it from shared memory once, here, and keeps it in registers
     # (with one user in the loop it reloads it there every step, and its shared buffer stays
@@ -721,22 +756,22 @@ def _paged_attention_kernel(
             prefetch_rows(ahead, sides, C)
     q, unscale = query_operand(q_raw, R_K)
     if R_K.kind == READ_NVFP4:
-        qm = (tl.broadcast_to(q[0][None, :, :], [T.warps, T.block_m, R_K.block_d // 2]),
-              tl.broadcast_to(q[1][None, :, :], [T.warps, T.block_m, R_K.block_d // 2]))
+        qt = (tl.broadcast_to(tl.trans(q[0])[None, :, :], [T.warps, R_K.block_d // 2, T.block_m]),
+              tl.broadcast_to(tl.trans(q[1])[None, :, :], [T.warps, R_K.block_d // 2, T.block_m]))
     else:
-        qm = tl.broadcast_to(q[None, :, :], [T.warps, T.block_m, R_K.block_d])
+        qt = tl.broadcast_to(tl.trans(q)[None, :, :], [T.warps, R_K.block_d, T.block_m])
     score_scale = OPT.softmax_scale * k_static * unscale * R_K.unit
     if not OPT.soft_cap:
         score_scale = score_scale * LOG2E
     m_i = tl.full([T.warps, T.block_m], _NEG_INF, tl.float32)
     l_i = tl.full([T.warps, T.block_m], 0.0, tl.float32)
-    if R_V.kind == READ_NVFP4:   # output columns 4j + c, c = 0..3
-        acc = (tl.full([T.warps, T.block_m, R_V.block_d // 4], 0.0, tl.float32),
-               tl.full([T.warps, T.block_m, R_V.block_d // 4], 0.0, tl.float32),
-               tl.full([T.warps, T.block_m, R_V.block_d // 4], 0.0, tl.float32),
-               tl.full([T.warps, T.block_m, R_V.block_d // 4], 0.0, tl.float32))
+    if R_V.kind == READ_NVFP4:   # output columns 4j + c, c = 0..3 (transposed, as every acc)
+        acc = (tl.full([T.warps, R_V.block_d // 4, T.block_m], 0.0, tl.float32),
+               tl.full([T.warps, R_V.block_d // 4, T.block_m], 0.0, tl.float32),
+               tl.full([T.warps, R_V.block_d // 4, T.block_m], 0.0, tl.float32),
+               tl.full([T.warps, R_V.block_d // 4, T.block_m], 0.0, tl.float32))
     else:
-        acc = tl.full([T.warps, T.block_m, R_V.block_d], 0.0, tl.float32)
+        acc = tl.full([T.warps, R_V.block_d, T.block_m], 0.0, tl.float32)
     v_exp = 0                                    # 2**v_exp: the unit of acc (dynamic V scales)
     state = (m_i, l_i, acc, v_exp)
     scales = (score_scale, OPT.cap)
@@ -746,18 +781,18 @@ def _paged_attention_kernel(
                                  OPT.exact)
         first_keys = (first_t, k, k_cols, first_v_rows)
         first_values = value_operand((v_codes, v_scales[0], v_scales[1]), C)
-        state = attend_tile(state, qm, first_keys, first_values, seen, sides, scales,
+        state = attend_tile(state, qt, first_keys, first_values, seen, sides, scales,
                             start < end, C, GUARD)
         first = start + TILE
     if OPT.pipelined:
         for t0 in tl.range(first, end, TILE, num_stages=T.stages):
             keys = read_keys(t0, seen, sides, table, True, C, 0)
-            state = attend_tile(state, qm, keys, None, seen, sides, scales, True, C, 0)
+            state = attend_tile(state, qt, keys, None, seen, sides, scales, True, C, 0)
     else:   # the interpreter takes loop bounds from host scalars only: a while loop there
         t0 = first
         while t0 < end:
             keys = read_keys(t0, seen, sides, table, True, C, 0)
-            state = attend_tile(state, qm, keys, None, seen, sides, scales, True, C, 0)
+            state = attend_tile(state, qt, keys, None, seen, sides, scales, True, C, 0)
             t0 += TILE
     m_i, l_i, acc, v_exp = state
 
@@ -767,13 +802,13 @@ def _paged_attention_kernel(
     weight = tl.math.exp2(m_i - m_all_use[None, :])
     l_all = tl.reduce(l_i * weight, 0, _sum_combine)
     if R_V.kind == READ_NVFP4:   # columns 4j + c back in order
-        s0 = warps_sum(acc[0] * weight[:, :, None], T.warps)
-        s1 = warps_sum(acc[1] * weight[:, :, None], T.warps)
-        s2 = warps_sum(acc[2] * weight[:, :, None], T.warps)
-        s3 = warps_sum(acc[3] * weight[:, :, None], T.warps)
+        s0 = tl.trans(warps_sum(acc[0] * weight[:, None, :], T.warps))
+        s1 = tl.trans(warps_sum(acc[1] * weight[:, None, :], T.warps))
+        s2 = tl.trans(warps_sum(acc[2] * weight[:, None, :], T.warps))
+        s3 = tl.trans(warps_sum(acc[3] * weight[:, None, :], T.warps))
         o = tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), (T.block_m, R_V.block_d))
     else:
-        o = warps_sum(acc * weight[:, :, None], T.warps)
+        o = tl.trans(warps_sum(acc * weight[:, None, :], T.warps))
     out_scale = v_static * R_V.unit
     if R_V.columns != COLUMNS_NONE:
         out_scale = out_scale * ((127 + v_exp) << 23).to(tl.float32, bitcast=True)
