@@ -47,7 +47,7 @@ class Reading(NamedTuple):
     ``FMT``), the static scale kind (a ScaleKind id), where dynamic scales are (COLUMNS_*),
     whether the call has a side array for it (dynamic or block scales), head_dim and its
     power-of-two tile width, and ``unit``, what the fp16 operand is multiplied by to give the
-    value (NVFP4: 2**14); ``fuse_scale`` (NVFP4): the block scales multiply the codes inside
+    value (NVFP4: 2**8); ``fuse_scale`` (NVFP4): the block scales multiply the codes inside
     the unpacking asm (``ATTENTION_SIZES``); ``transposed`` (V): the tile is read as
     ``[W, D, N]``, the PV MMA's A operand V^T, which Triton's pipeline then brings from shared
     memory with ``ldmatrix.trans``; ``quads`` (NVFP4's V): the codes are read four to a 16-bit
@@ -480,7 +480,7 @@ def _reading(args: AttentionArgs, side: SideScale, head_dim: int, sizes: dict,
         return Reading(READ_PLAIN, ScaleKind.NONE.id, COLUMNS_NONE, False, head_dim, block_d,
                        1.0, args.query.dtype == "bfloat16", transposed=value)
     if fmt.packed:
-        return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 2.0 ** 14,
+        return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 256.0,
                        fuse_scale=sizes["fuse_scale"], quads=value, transposed=value)
     if fmt.block_scaled:   # mxfp8: fp32 operands, the block scales applied to them
         return Reading(READ_MXFP8, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 1.0,

@@ -196,7 +196,7 @@ def fp16_of_nvfp4_quads(quads, block_scales, F: tl.constexpr, EXACT: tl.constexp
     # The scales' conversion stays pure, as K's: marked impure (fewer instructions) it gave the PV
     # dot other operand layouts than the exact path's, and a large call other bytes than that
     # path's (bench/NOTES.md).
-    bs = fp16_of_fp8(block_scales, F, False, EXACT)
+    bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0
     shape: tl.constexpr = quads.shape
     blocks: tl.constexpr = block_scales.shape[1]
     scale = tl.reshape(tl.broadcast_to(bs[:, :, None, :],
@@ -220,14 +220,13 @@ def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr,
     """``(even, odd)``: fp16 of the low and the high nibbles of NVFP4 pairs ``[..., D / 2]``
     (elements ``2i`` and ``2i + 1``) times their e4m3 block scales ``[..., D / 16]``, exact: a
     code ``c`` as the fp16 bits ``(c & 7) << 9`` is its E2M1 value times ``2**-14``; the block
-    scale is an fp16 value too; their product, the element times ``2**-14`` (at most 0.17, a
-    multiple of ``2**-24`` -- the smallest code times the smallest scale -- with at most 6
-    significant bits: subnormal below ``2**-14``), needs no rounding. The caller multiplies by
-    ``2**14``. Even and odd elements stay apart: the dots take them as two halves
+    scale times ``2**6`` is exact in fp16 too; their product, the element times ``2**-8`` (at
+    most 10.5, at least ``2**-18`` with 6 significant bits), needs no rounding. The caller
+    multiplies by ``2**8``. Even and odd elements stay apart: the dots take them as two halves
     of the head dimension (the query's and the output's columns split alike), so no nibble is
     moved next to its neighbour. ``FUSED``: codes and scales in one asm (the same products).
     This is K's operand (pairs along the head dimension); V's is :func:`fp16_of_nvfp4_quads`."""
-    bs = fp16_of_fp8(block_scales, F, False, EXACT)                          # [..., D/16]
+    bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0                   # [..., D/16]
     shape: tl.constexpr = codes.shape
     blocks: tl.constexpr = block_scales.shape[-1]
     if FUSED and not EXACT:
