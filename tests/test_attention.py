@@ -309,6 +309,27 @@ def test_dependent_launch_is_planned_for_split_calls_only(monkeypatch):
     plan_attention.cache_clear()
 
 
+@pytest.mark.parametrize("heads, kv_heads, query_lens, block_m, m_tiles", [
+    (32, 8, None, 8, 1), (64, 8, None, 8, 1), (32, 2, None, 16, 1), (8, 8, None, 8, 1),
+    (32, 8, (4, 4), 16, 1), (32, 8, (16, 3), 16, 4)],
+    ids=["group4", "group8", "group16", "mha", "group4-q4", "group4-q16"])
+def test_query_rows_per_tile_are_the_mma_columns_a_call_fills(heads, kv_heads, query_lens,
+                                                              block_m, m_tiles):
+    """The query rows are the MMAs' N: a tile holds the next power of two of a sequence's rows
+    (its longest query x the group), from the MMA's 8 columns up to ``block_m``; more rows take
+    more row tiles."""
+    from fp8kv.attention import check_attention
+    from fp8kv.arrays import ArrayInfo
+    case = AttentionCase(num_heads=heads, num_kv_heads=kv_heads, head_dim=64,
+                         seq_lens=(40, 20), query_lens=query_lens)
+    arrays = {n: ArrayInfo.contiguous(v.shape, v.dtype.name, "cuda:0")
+              if isinstance(v, np.ndarray) else v for n, v in build(case)["call"].items()}
+    if query_lens:
+        arrays["max_query_len"] = max(query_lens)
+    tiles = plan_attention(check_attention(**arrays), CUDA).attention.constexprs["C"].tiles
+    assert (tiles.block_m, tiles.m_tiles) == (block_m, m_tiles)
+
+
 def test_fp8kv_pdl_0_turns_the_dependent_launch_off():
     import subprocess
     import sys
