@@ -83,9 +83,9 @@ class Geometry(NamedTuple):
 class Tiles(NamedTuple):
     """``block_m`` query rows (the MMAs' N) x ``warps * block_n`` tokens (their M) per step;
     ``splits`` programs per row tile share the tokens; ``m_tiles`` row tiles per (sequence, kv
-    head); ``stages`` the token loop's software pipelining; ``peel``: the first tile is taken before the loop, ``prefetch``
-    the tiles after it asked of L2, ``pdl`` the merge launched as a dependent (see
-    ``ATTENTION_SIZES``)."""
+    head); ``stages`` the token loop's software pipelining; ``peel``: the first tile is taken
+    before the loop, ``prefetch`` the tiles after it asked of L2, ``pdl`` the merge launched as
+    a dependent (see ``ATTENTION_SIZES``)."""
 
     block_m: int
     block_n: int

@@ -7,10 +7,11 @@ group shares every K/V tile it reads -- and the ``split``-th share of the tokens
 Its ``W`` warps each take ``BLOCK_N`` consecutive tokens of a ``W * BLOCK_N`` tile (a batch of
 ``W`` dots: no warp waits for another inside the loop) and keep their own online softmax; the
 program merges them at the end. The tokens are the MMAs' M dimension and the query rows their N
-(scores K Q^T, the output's transpose V^T P^T: :func:`attend_tile`). A program whose tokens are all one split writes the output;
-otherwise it writes fp32 partials (``acc``, row max, row sum) that :func:`_attention_merge_kernel`
-combines in split order, so a call gives the same bytes every time (with the plan's ``pdl`` that
-kernel is launched as a programmatic dependent of this grid and waits for it inside).
+(scores K Q^T, the output's transpose V^T P^T: :func:`attend_tile`). A program whose tokens are
+all one split writes the output; otherwise it writes fp32 partials (``acc``, row max, row sum)
+that :func:`_attention_merge_kernel` combines in split order, so a call gives the same bytes
+every time (with the plan's ``pdl`` that kernel is launched as a programmatic dependent of this
+grid and waits for it inside).
 
 Reading a tile: the token's page comes from the block table (tokens past the visible range are
 clamped to its last token, so no load reaches an unused page or block-table entry, and their
@@ -178,29 +179,30 @@ def _e2m1_fp16(bits):
 
 
 @jit
-def _per_element(block_values, shape: tl.constexpr):
+def _per_element(block_values, shape: tl.constexpr, TRANSPOSED: tl.constexpr):
     """``[A, B, blocks]`` block values repeated over the ``shape[-1] / blocks`` elements of
-    their block: ``shape``."""
-    blocks: tl.constexpr = block_values.shape[-1]
-    return tl.reshape(tl.broadcast_to(block_values[:, :, :, None],
-                                      (shape[0], shape[1], blocks, shape[2] // blocks)), shape)
+    their block: ``shape``; ``TRANSPOSED``: ``[A, blocks, C]`` repeated along axis 1."""
+    if TRANSPOSED:
+        blocks: tl.constexpr = block_values.shape[1]
+        x = tl.reshape(tl.broadcast_to(block_values[:, :, None, :],
+                                       (shape[0], blocks, shape[1] // blocks, shape[2])), shape)
+    else:
+        blocks: tl.constexpr = block_values.shape[-1]
+        x = tl.reshape(tl.broadcast_to(block_values[:, :, :, None],
+                                       (shape[0], shape[1], blocks, shape[2] // blocks)), shape)
+    return x
 
 
 @jit
 def fp16_of_nvfp4_quads(quads, block_scales, F: tl.constexpr, EXACT: tl.constexpr):
     """``(c0, c1, c2, c3)``, each ``[W, D / 4, N]``: fp16 of NVFP4 codes read four to a uint16
-    ``[W, N, D / 4]`` (code ``c`` of each: element ``4j + c``) times their block scales
-    ``[W, N, D / 16]``, as :func:`fp16_of_nvfp4` makes them, transposed: V^T, the MMA's A
-    operand. The codes are transposed before they are unpacked, so that ``ldmatrix.trans``
-    brings them from shared memory into that operand as stored."""
+    and transposed, ``[W, D / 4, N]`` (code ``c`` of each: element ``4j + c``), times their
+    block scales ``[W, D / 16, N]``, as :func:`fp16_of_nvfp4` makes them: V^T, the PV MMA's A
+    operand, which ``ldmatrix.trans`` fills with the codes as stored."""
     # The scales' conversion stays pure, as K's: marked impure (fewer instructions) it gave the PV
     # dot other operand layouts than the exact path's, and a large call other bytes than that
     # path's (bench/NOTES.md).
-    bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0
-    shape: tl.constexpr = quads.shape
-    blocks: tl.constexpr = block_scales.shape[1]
-    scale = tl.reshape(tl.broadcast_to(bs[:, :, None, :],
-                                       (shape[0], blocks, shape[1] // blocks, shape[2])), shape)
+    scale = _per_element(fp16_of_fp8(block_scales, F, False, EXACT) * 64.0, quads.shape, True)
     if EXACT:
         x = quads.to(tl.uint16)
         c0 = _e2m1_fp16(x) * scale
@@ -230,7 +232,7 @@ def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr,
     shape: tl.constexpr = codes.shape
     blocks: tl.constexpr = block_scales.shape[-1]
     if FUSED and not EXACT:
-        scale = _per_element(bs, shape)
+        scale = _per_element(bs, shape, False)
         even, odd = tl.inline_asm_elementwise(_NVFP4_SCALED_PTX, "=r,=r,=r,=r,r,r,r",
                                               [codes, scale], dtype=(tl.float16, tl.float16),
                                               is_pure=True, pack=4)
@@ -756,8 +758,9 @@ def _paged_attention_kernel(
             prefetch_rows(ahead, sides, C)
     q, unscale = query_operand(q_raw, R_K)
     if R_K.kind == READ_NVFP4:
-        qt = (tl.broadcast_to(tl.trans(q[0])[None, :, :], [T.warps, R_K.block_d // 2, T.block_m]),
-              tl.broadcast_to(tl.trans(q[1])[None, :, :], [T.warps, R_K.block_d // 2, T.block_m]))
+        HALF: tl.constexpr = R_K.block_d // 2
+        qt = (tl.broadcast_to(tl.trans(q[0])[None, :, :], [T.warps, HALF, T.block_m]),
+              tl.broadcast_to(tl.trans(q[1])[None, :, :], [T.warps, HALF, T.block_m]))
     else:
         qt = tl.broadcast_to(tl.trans(q)[None, :, :], [T.warps, R_K.block_d, T.block_m])
     score_scale = OPT.softmax_scale * k_static * unscale * R_K.unit
