@@ -538,12 +538,11 @@ def test_kernels_compile_for_sm90(name, arrays):
         # The query's and the peeled tile's bytes (and the scales) are all requested before any
         # of them is converted (a conversion's barrier would wait for them) -- but NVFP4's V
         # codes, whose layout change is the MMA operand's own ldmatrix.trans (one x4 per 8 of a
-        # warp's tokens: 8 rows of 64 bytes), which Triton puts right after their load: K's
-        # codes wait for that one round trip. (Triton 3.8 also converts the NVFP4 kernel's
-        # query right after its load, as it keeps the e4m3 query's shared buffer above.)
+        # warp's tokens), which Triton puts right after their load: K's codes wait for that one
+        # round trip. (Before the tokens became the MMAs' M, Triton 3.8 also converted the
+        # NVFP4 kernel's query there; no version does now.)
         nvfp4 = name.startswith("nvfp4")
-        plain = 1 if nvfp4 and triton.__version__.startswith("3.8.") else 0
-        assert operands_before_last_load(ptx) == (plain, tiles.block_n // 8 if nvfp4 else 0)
+        assert operands_before_last_load(ptx) == (0, tiles.block_n // 8 if nvfp4 else 0)
     if name == "bfloat16":   # the ``plain`` override: a pipeline that leaves 4 programs per SM
         assert tiles.stages == ATTENTION_SIZES[CUDA]["plain"]["stages"] == 4
         assert compiled.metadata.shared <= 56 * 1024
