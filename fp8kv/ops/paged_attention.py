@@ -108,42 +108,38 @@ def fp16_of_fp8(codes, F: tl.constexpr, TRANSPOSED: tl.constexpr, EXACT: tl.cons
 
 
 # NVFP4 nibbles of four bytes to fp16 bits: each fp16's high byte is sign << 7 | magnitude << 1
-# (computed on all four bytes at once), moved in front of a zero low byte by prmt.
-_NVFP4_EVEN_PTX: tl.constexpr = tl.constexpr("""{
-    .reg .b32 a, b, h;
-    shl.b32 a, $2, 1;
+# (computed on all four bytes of ``src`` at once: ``h`` from the low nibbles, ``g`` from the high
+# ones, byte k from byte k), later moved in front of a zero low byte by prmt.
+_LOW_NIBBLES_PTX = """
+    shl.b32 a, {src}, 1;
     and.b32 a, a, 0x0E0E0E0E;
-    shl.b32 b, $2, 4;
+    shl.b32 b, {src}, 4;
     and.b32 b, b, 0x80808080;
     or.b32 h, a, b;
-    prmt.b32 $0, h, 0, 0x1404;
-    prmt.b32 $1, h, 0, 0x3424;
-}""")
-_NVFP4_ODD_PTX: tl.constexpr = tl.constexpr("""{
-    .reg .b32 a, b, h;
-    shr.b32 a, $2, 3;
+"""
+_HIGH_NIBBLES_PTX = """
+    shr.b32 a, {src}, 3;
     and.b32 a, a, 0x0E0E0E0E;
-    and.b32 b, $2, 0x80808080;
-    or.b32 h, a, b;
-    prmt.b32 $0, h, 0, 0x1404;
-    prmt.b32 $1, h, 0, 0x3424;
-}""")
-
-
-# The fp16 high bytes of all eight nibbles of $4 (sign << 7 | magnitude << 1, as the two above):
-# ``h`` the low nibbles', ``g`` the high ones', byte k from byte k of $4.
-_NVFP4_HIGH_BYTES = """
-    .reg .b32 a, b, h, g;
-    shl.b32 a, $4, 1;
-    and.b32 a, a, 0x0E0E0E0E;
-    shl.b32 b, $4, 4;
-    and.b32 b, b, 0x80808080;
-    or.b32 h, a, b;
-    shr.b32 a, $4, 3;
-    and.b32 a, a, 0x0E0E0E0E;
-    and.b32 b, $4, 0x80808080;
+    and.b32 b, {src}, 0x80808080;
     or.b32 g, a, b;
 """
+
+
+def _nibbles_ptx(high: bool) -> str:
+    """One half of four bytes' nibbles (``$2``) to two fp16 pairs (``$0``: bytes 0-1, ``$1``:
+    2-3)."""
+    body = (_HIGH_NIBBLES_PTX if high else _LOW_NIBBLES_PTX).format(src="$2")
+    bytes_ = "g" if high else "h"
+    return ("{\n    .reg .b32 a, b, h, g;" + body + f"    prmt.b32 $0, {bytes_}, 0, 0x1404;\n"
+            f"    prmt.b32 $1, {bytes_}, 0, 0x3424;\n}}")
+
+
+_NVFP4_EVEN_PTX: tl.constexpr = tl.constexpr(_nibbles_ptx(False))
+_NVFP4_ODD_PTX: tl.constexpr = tl.constexpr(_nibbles_ptx(True))
+
+# The high bytes of all eight nibbles of $4 (the scaled asms' input).
+_NVFP4_HIGH_BYTES = ("\n    .reg .b32 a, b, h, g;" + _LOW_NIBBLES_PTX.format(src="$4")
+                     + _HIGH_NIBBLES_PTX.format(src="$4").lstrip("\n"))
 
 
 def _scaled_pairs_ptx(pairs) -> str:
