@@ -143,7 +143,7 @@ ATTENTION_SWEEP_SHAPES = ((1, 8192), (8, 4096), (32, 4096), (64, 2048), (256, 10
 _LABEL_KEYS = (("n", "block_n"), ("w", "warps"), ("s", "stages"), ("ss", "split_stages"),
                ("b", "split_below"), ("t", "target_programs"), ("m", "min_split_tokens"),
                ("r", "merge_rows"), ("p", "peel"), ("pf", "prefetch"), ("g", "pdl"),
-               ("f", "fuse_scale"), ("o", "one_warp_from"))
+               ("f", "fuse_scale"), ("x", "pow2_splits"))
 
 
 def attention_candidate_label(overrides: dict) -> str:
@@ -167,8 +167,8 @@ def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
                   "the programs splitting aims at, `m` the fewest tokens per split, `r` output "
                   "rows per merge program, `p1` the first tile peeled off the loop (FP8 / NVFP4 "
                   "keys), `pf` the tiles after it prefetched into L2, `g1` the merge launched "
-                  "as a dependent, `f1` NVFP4 block scales applied in the unpacking asm, `o` "
-                  "one warp per program from this many programs) per "
+                  "as a dependent, `f1` NVFP4 block scales applied in the unpacking asm, `x1` "
+                  "split counts rounded up to powers of two) per "
                   "shape and cache format; the first candidate is the table's row. NVFP4 and "
                   "bf16 read with each candidate's own stages (the row's `packed` and `plain` "
                   "overrides set aside but in the first) unless the label says `nvfp4 stages` "

@@ -47,7 +47,7 @@ class Reading(NamedTuple):
     ``FMT``), the static scale kind (a ScaleKind id), where dynamic scales are (COLUMNS_*),
     whether the call has a side array for it (dynamic or block scales), head_dim and its
     power-of-two tile width, and ``unit``, what the fp16 operand is multiplied by to give the
-    value (NVFP4: 2**8); ``fuse_scale`` (NVFP4): the block scales multiply the codes inside
+    value (NVFP4: 2**14); ``fuse_scale`` (NVFP4): the block scales multiply the codes inside
     the unpacking asm (``ATTENTION_SIZES``); ``transposed`` (V): the tile is read as
     ``[W, D, N]``, the PV MMA's A operand V^T, which Triton's pipeline then brings from shared
     memory with ``ldmatrix.trans``; ``quads`` (NVFP4's V): the codes are read four to a 16-bit
@@ -129,10 +129,12 @@ class Constants(NamedTuple):
 # warp and step, warps; the token loop's pipelining (``stages``; Triton keeps (stages - 1) // 2
 # tiles in flight here) for calls that fill the GPU and for split calls; splits are added to
 # calls of fewer than ``split_below`` programs, up to about ``target_programs``, each split
-# taking at least ``min_split_tokens`` tokens.
-# ``packed``: what a packed-code cache (nvfp4) reads with instead: ``one_warp_from``, calls of
-# that many programs or more (several waves) run one warp per program, each warp then taking
-# the tokens of two (per-program costs halve);
+# taking at least ``min_split_tokens`` tokens; ``pow2_splits``: the split count rounded up to a
+# power of two (else the count that reaches the target).
+# ``packed``: what a packed-code cache (nvfp4) reads with instead: one warp per program, and
+# calls of fewer than 1,024 programs split up to about 1,024 -- where two warps share a program
+# its loop waits at their barriers three times a step and its end exchanges their states, and
+# NVFP4's unpacking leaves each warp few cycles to lose;
 # ``plain``: the same for a bf16 / fp16 cache (twice the shared memory per pipelined tile).
 # bench/NOTES.md ("Paged attention") has the measurements behind the CUDA row (``python -m
 # bench --only attention_sweep``). The interpreter runs one program at a time: small tiles,
@@ -159,12 +161,14 @@ ATTENTION_SIZES = {
     CUDA: dict(block_m=16, min_block_m=8, block_n=32, warps=2, stages=5, split_stages=5,
                split_below=512, target_programs=264, min_split_tokens=256, max_splits=64,
                merge_rows=4, merge_warps=4, peel=True, prefetch=1, pdl=True, fuse_scale=True,
-               one_warp_from=None, packed=dict(one_warp_from=1024),
+               pow2_splits=True,
+               packed=dict(warps=1, split_below=1024, target_programs=1024, min_split_tokens=128,
+                           pow2_splits=False),
                plain=dict(stages=4, split_stages=4)),
     INTERPRET: dict(block_m=16, min_block_m=8, block_n=16, warps=2, stages=1, split_stages=1,
                     split_below=4, target_programs=4, min_split_tokens=16, max_splits=4,
                     merge_rows=16, merge_warps=1, peel=True, prefetch=0, pdl=False,
-                    fuse_scale=True, one_warp_from=None, packed={}, plain={}),
+                    fuse_scale=True, pow2_splits=True, packed={}, plain={}),
 }
 PEELED_READS = (READ_FP8, READ_NVFP4)
 # ``pdl``: the merge launched as a programmatic dependent of the attention grid (it waits for
@@ -480,7 +484,7 @@ def _reading(args: AttentionArgs, side: SideScale, head_dim: int, sizes: dict,
         return Reading(READ_PLAIN, ScaleKind.NONE.id, COLUMNS_NONE, False, head_dim, block_d,
                        1.0, args.query.dtype == "bfloat16", transposed=value)
     if fmt.packed:
-        return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 256.0,
+        return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 2.0 ** 14,
                        fuse_scale=sizes["fuse_scale"], quads=value, transposed=value)
     if fmt.block_scaled:   # mxfp8: fp32 operands, the block scales applied to them
         return Reading(READ_MXFP8, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 1.0,
@@ -492,14 +496,17 @@ def _reading(args: AttentionArgs, side: SideScale, head_dim: int, sizes: dict,
 
 
 def splits_for(programs: int, max_context: int, tile: int, sizes: dict) -> int:
-    """Splits per (sequence, kv head, row tile): a power of two that brings the call to
-    ``target_programs``, each split keeping ``min_split_tokens`` (and a whole tile)."""
+    """Splits per (sequence, kv head, row tile) that bring the call to ``target_programs``
+    (a power of two with ``pow2_splits``), each split keeping ``min_split_tokens`` (and a whole
+    tile)."""
     if programs >= sizes["split_below"]:
         return 1
     want = -(-sizes["target_programs"] // programs)
     most = max(1, max_context // max(sizes["min_split_tokens"], tile))
     splits = min(want, most, sizes["max_splits"])
-    return 1 if splits <= 1 else triton.next_power_of_2(splits)
+    if splits <= 1:
+        return 1
+    return triton.next_power_of_2(splits) if sizes["pow2_splits"] else splits
 
 
 @functools.lru_cache(maxsize=1024)
@@ -518,8 +525,7 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
                   max(sizes["min_block_m"], triton.next_power_of_2(args.max_query_len * group)))
     m_tiles = -(-args.max_query_len * group // block_m)
     programs = args.num_seqs * args.num_kv_heads * m_tiles
-    one_warp = sizes["one_warp_from"] is not None and programs >= sizes["one_warp_from"]
-    warps = 1 if one_warp else sizes["warps"]
+    warps = sizes["warps"]
     tile = warps * sizes["block_n"]
     max_context = args.block_table.shape[1] * kc.page_size
     splits = splits_for(programs, max_context, tile, sizes)
@@ -552,7 +558,7 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
     merge = LaunchPlan((-(-rows // sizes["merge_rows"]),), sizes["merge_warps"],
                        dict(num_rows=rows),
                        dict(C=consts, BLOCK_D=triton.next_power_of_2(d),
-                            ROWS=sizes["merge_rows"]),
+                            BLOCK_S=triton.next_power_of_2(splits), ROWS=sizes["merge_rows"]),
                        kernel="_attention_merge_kernel", launch_pdl=pdl)
     return AttentionPlan(main, merge, (rows, splits, d), (rows, splits, 2))
 

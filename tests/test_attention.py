@@ -183,8 +183,9 @@ def test_gpu_large_batch_splits_and_merges_every_share():
 @requires_cuda
 @pytest.mark.gpu
 def test_gpu_nvfp4_large_grid_reads_with_one_warp_per_program():
-    """From ``one_warp_from`` programs on an NVFP4 cache each program is one warp (ragged
-    lengths, 0 and 1 among them): within the bound, and the exact conversions' bytes."""
+    """An NVFP4 call of 1,056 programs (the CUDA row's ``packed``: one warp each, unsplit from
+    ``split_below``; ragged lengths, 0 and 1 among them): within the bound, and the exact
+    conversions' bytes."""
     lens = tuple(int(n) for n in np.random.default_rng(7).integers(0, 160, 130)) + (0, 1)
     case = AttentionCase(cache="nvfp4", num_heads=32, num_kv_heads=8, head_dim=128,
                          seq_lens=lens)
@@ -192,8 +193,8 @@ def test_gpu_nvfp4_large_grid_reads_with_one_warp_per_program():
     _attention.clear()
     out = attend(call)
     ready = next(iter(_attention._READY.values()))
-    assert ready.plan.attention.num_warps == 1
-    assert len(lens) * 8 >= ATTENTION_SIZES[CUDA]["packed"]["one_warp_from"]
+    assert ready.plan.attention.num_warps == 1 and ready.plan.merge is None
+    assert len(lens) * 8 >= ATTENTION_SIZES[CUDA]["packed"]["split_below"]
     within_bound(out, c)
     assert torch.equal(out.view(torch.int16), attend_exact(call).view(torch.int16))
 
@@ -245,12 +246,11 @@ def test_other_warp_counts_merge_their_states(warps, seq_lens, device, monkeypat
 
 
 @pytest.mark.parametrize("seq_lens", [(40, 3), (200,)], ids=["unsplit", "split"])
-def test_nvfp4_calls_from_one_warp_from_programs_read_with_one_warp(seq_lens, device,
-                                                                      monkeypatch):
-    """``one_warp_from`` (the CUDA row's NVFP4 override) lowered to 1: every call's programs
-    are one warp each, split or not, within the bound."""
+def test_nvfp4_calls_read_with_one_warp_per_program(seq_lens, device, monkeypatch):
+    """One warp per program (the CUDA row's NVFP4 override; the interpreter's row set so):
+    split or not, within the bound."""
     sizes = ATTENTION_SIZES[INTERPRET] if device == "cpu" else ATTENTION_SIZES[CUDA]["packed"]
-    monkeypatch.setitem(sizes, "one_warp_from", 1)
+    monkeypatch.setitem(sizes, "warps", 1)
     case = AttentionCase(cache="nvfp4", seq_lens=seq_lens, head_dim=64, page_size=8)
     call, c = call_of(case, device)
     _attention.clear()
@@ -347,6 +347,51 @@ def test_plan_splits_small_calls_into_powers_of_two():
         s = splits_for(programs, context, 64, sizes)
         assert s & (s - 1) == 0 and s <= sizes["max_splits"]
         assert s == 1 or context // s >= sizes["min_split_tokens"] // 2
+
+
+@pytest.mark.parametrize("seqs, context, warps, splits", [
+    (1, 8192, 1, 64), (8, 4096, 1, 16), (32, 4096, 1, 4), (48, 4096, 1, 3), (64, 2048, 1, 2),
+    (64, 8192, 1, 2), (256, 1024, 1, 1), (8, 96, 1, 1)],
+    ids=lambda v: str(v))
+def test_plan_nvfp4_llama_decode_one_warp_programs_split_to_1024(seqs, context, warps, splits):
+    """The CUDA row's ``packed`` override: one warp per program, calls split to about 1,024
+    programs (3 splits where that is what reaches it: no power-of-two rounding), each split at
+    least ``min_split_tokens``."""
+    from fp8kv.attention import check_attention
+    from fp8kv.arrays import ArrayInfo
+    case = AttentionCase(cache="nvfp4", num_heads=32, num_kv_heads=8, head_dim=128,
+                         seq_lens=(16,) * seqs, page_size=16)
+    arrays = {n: ArrayInfo.contiguous(v.shape, v.dtype.name, "cuda:0")
+              if isinstance(v, np.ndarray) else v for n, v in build(case)["call"].items()}
+    # The plan reads the block table's width (the longest context a call may have), not
+    # seq_lens: a table of context / 16 pages per sequence.
+    arrays["block_table"] = ArrayInfo.contiguous((seqs, context // 16), "int32", "cuda:0")
+    plan = plan_attention(check_attention(**arrays), CUDA)
+    assert plan.attention.num_warps == warps
+    assert plan.attention.grid == (seqs * 8, splits)
+    assert (plan.merge is None) == (splits == 1)
+
+
+def test_a_three_way_split_merges_in_split_order(device, monkeypatch):
+    """Split counts need not be powers of two: three shares of a call (the merge reads a
+    power-of-two block of them, the fourth masked) stay within the bound, and two calls give
+    the same bytes."""
+    sizes = ATTENTION_SIZES[INTERPRET if device == "cpu" else CUDA]
+    for key, value in dict(pow2_splits=False, target_programs=6, split_below=4,
+                           min_split_tokens=16).items():
+        monkeypatch.setitem(sizes, key, value)
+    case = AttentionCase(seq_lens=(100,), head_dim=32, page_size=8, scale="token_head")
+    call, c = call_of(case, device)
+    _attention.clear()
+    try:
+        out = attend(call)
+        within_bound(out, c)
+        plan = next(iter(_attention._READY.values())).plan
+        assert plan.attention.grid == (2, 3) and plan.merge.constexprs["BLOCK_S"] == 4
+        assert torch.equal(attend(call).view(torch.int16), out.view(torch.int16))
+    finally:
+        monkeypatch.undo()
+        _attention.clear()
 
 
 def test_a_new_signature_is_planned_again():
@@ -469,7 +514,7 @@ def _compile_variants():
         ("token-head", arrays(AttentionCase(scale="token_head"))),
         ("inline", arrays(AttentionCase(scale="inline"))),
         ("nvfp4", arrays(AttentionCase(cache="nvfp4", head_dim=128))),
-        ("nvfp4-one-warp", arrays(AttentionCase(cache="nvfp4", num_heads=32, num_kv_heads=8,
+        ("nvfp4-llama", arrays(AttentionCase(cache="nvfp4", num_heads=32, num_kv_heads=8,
                                                 head_dim=128, seq_lens=(64,) * 128))),
         ("mxfp8", arrays(AttentionCase(cache="mxfp8", head_dim=128))),
         ("mxfp8-split-layers-d96", arrays(AttentionCase(cache="mxfp8", head_dim=96, layers=2,
@@ -546,7 +591,7 @@ def test_kernels_compile_for_sm90(name, arrays):
     if name == "bfloat16":   # the ``plain`` override: a pipeline that leaves 4 programs per SM
         assert tiles.stages == ATTENTION_SIZES[CUDA]["plain"]["stages"] == 4
         assert compiled.metadata.shared <= 56 * 1024
-    if name == "nvfp4-one-warp":   # a grid of one_warp_from programs or more
+    if name.startswith("nvfp4"):   # one warp per program (the ``packed`` override)
         assert plan.attention.num_warps == 1
     if name.startswith("nvfp4"):   # codes times block scales in one asm, fp16 pairs out
         assert "prmt.b32" in ptx and "mul.rn.f16x2" in ptx

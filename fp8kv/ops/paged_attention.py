@@ -142,11 +142,11 @@ _NVFP4_HIGH_BYTES = ("\n    .reg .b32 a, b, h, g;" + _LOW_NIBBLES_PTX.format(src
                      + _HIGH_NIBBLES_PTX.format(src="$4").lstrip("\n"))
 
 
-def _scaled_pairs_ptx(pairs) -> str:
-    """The asm of :data:`_NVFP4_HIGH_BYTES`, then output ``$k`` for each ``(bytes, selector,
-    scale)`` of ``pairs``: two of those high bytes moved in front of zero low bytes by ``prmt``,
-    the fp16 pair times the scale pair."""
-    return "{" + _NVFP4_HIGH_BYTES + "".join(
+def _scaled_pairs_ptx(pairs, prologue: str = "") -> str:
+    """The asm of :data:`_NVFP4_HIGH_BYTES` and ``prologue``, then output ``$k`` for each
+    ``(bytes, selector, scale)`` of ``pairs``: two of those high bytes moved in front of zero
+    low bytes by ``prmt``, the fp16 pair times the scale pair."""
+    return "{" + _NVFP4_HIGH_BYTES + prologue + "".join(
         f"    prmt.b32 a, {src}, 0, {selector};\n    mul.rn.f16x2 ${k}, a, {scale};\n"
         for k, (src, selector, scale) in enumerate(pairs)) + "}"
 
@@ -161,10 +161,13 @@ _NVFP4_SCALED_PTX: tl.constexpr = tl.constexpr(_scaled_pairs_ptx((
 # V: four codes of a token (16 bits) and the same four of the next token ($4: the two as the
 # 32-bit pair that the transposed MMA operand holds) to fp16 pairs (token, next token), one per
 # code position 0..3 (bytes 0 and 2 of h, of g, then bytes 1 and 3), each times the two
-# tokens' block scales ($5). No byte moves between the tokens: ldmatrix.trans already paired
-# them, which is why V is read this way.
+# tokens' block scales: their e4m3 bytes as one 16-bit pair ($5), one cvt to an fp16 pair (an
+# fp16 operand made outside would take a byte gather, a conversion and a repack per pair). No
+# byte moves between the tokens: ldmatrix.trans already paired them, which is why V is read
+# this way.
 _NVFP4_QUADS_PTX: tl.constexpr = tl.constexpr(_scaled_pairs_ptx((
-    ("h", "0x2404", "$5"), ("g", "0x2404", "$5"), ("h", "0x3414", "$5"), ("g", "0x3414", "$5"))))
+    ("h", "0x2404", "s"), ("g", "0x2404", "s"), ("h", "0x3414", "s"), ("g", "0x3414", "s")),
+    "    .reg .b32 s;\n    cvt.rn.f16x2.e4m3x2 s, $5;\n"))
 
 
 @jit
@@ -195,19 +198,19 @@ def fp16_of_nvfp4_quads(quads, block_scales, F: tl.constexpr, EXACT: tl.constexp
     and transposed, ``[W, D / 4, N]`` (code ``c`` of each: element ``4j + c``), times their
     block scales ``[W, D / 16, N]``, as :func:`fp16_of_nvfp4` makes them: V^T, the PV MMA's A
     operand, which ``ldmatrix.trans`` fills with the codes as stored."""
-    # The scales' conversion stays pure, as K's: marked impure (fewer instructions) it gave the PV
-    # dot other operand layouts than the exact path's, and a large call other bytes than that
-    # path's (bench/NOTES.md).
-    scale = _per_element(fp16_of_fp8(block_scales, F, False, EXACT) * 64.0, quads.shape, True)
+    # The exact path's scale conversion stays pure, as K's: marked impure it gave the PV dot
+    # other operand layouts than the fast path's, and a large call other bytes (bench/NOTES.md).
     if EXACT:
+        scale = _per_element(fp16_of_fp8(block_scales, F, False, EXACT), quads.shape, True)
         x = quads.to(tl.uint16)
         c0 = _e2m1_fp16(x) * scale
         c1 = _e2m1_fp16(x >> 4) * scale
         c2 = _e2m1_fp16(x >> 8) * scale
         c3 = _e2m1_fp16(x >> 12) * scale
-    else:
+    else:   # the two tokens' scale bytes reach the asm as one 16-bit pair ("h")
         c0, c1, c2, c3 = tl.inline_asm_elementwise(
-            _NVFP4_QUADS_PTX, "=r,=r,=r,=r,r,r", [quads, scale],
+            _NVFP4_QUADS_PTX, "=r,=r,=r,=r,r,h",
+            [quads, _per_element(block_scales, quads.shape, True)],
             dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
     return c0, c1, c2, c3
 
@@ -218,13 +221,14 @@ def fp16_of_nvfp4(codes, block_scales, F: tl.constexpr, EXACT: tl.constexpr,
     """``(even, odd)``: fp16 of the low and the high nibbles of NVFP4 pairs ``[..., D / 2]``
     (elements ``2i`` and ``2i + 1``) times their e4m3 block scales ``[..., D / 16]``, exact: a
     code ``c`` as the fp16 bits ``(c & 7) << 9`` is its E2M1 value times ``2**-14``; the block
-    scale times ``2**6`` is exact in fp16 too; their product, the element times ``2**-8`` (at
-    most 10.5, at least ``2**-18`` with 6 significant bits), needs no rounding. The caller
-    multiplies by ``2**8``. Even and odd elements stay apart: the dots take them as two halves
+    scale is an fp16 value too; their product, the element times ``2**-14`` (at most 0.17, a
+    multiple of ``2**-24`` -- the smallest code times the smallest scale -- with at most 6
+    significant bits: an fp16 subnormal below ``2**-14``), needs no rounding. The caller
+    multiplies by ``2**14``. Even and odd elements stay apart: the dots take them as two halves
     of the head dimension (the query's and the output's columns split alike), so no nibble is
     moved next to its neighbour. ``FUSED``: codes and scales in one asm (the same products).
     This is K's operand (pairs along the head dimension); V's is :func:`fp16_of_nvfp4_quads`."""
-    bs = fp16_of_fp8(block_scales, F, False, EXACT) * 64.0                   # [..., D/16]
+    bs = fp16_of_fp8(block_scales, F, False, EXACT)                          # [..., D/16]
     shape: tl.constexpr = codes.shape
     blocks: tl.constexpr = block_scales.shape[-1]
     if FUSED and not EXACT:
@@ -479,10 +483,10 @@ def tile_rows(t0, seen, table, live, C: tl.constexpr, GUARD: tl.constexpr):
     w = tl.arange(0, T.warps)
     n = tl.arange(0, T.block_n)
     t = t0 + w[:, None] * T.block_n + n[None, :]                 # [W, BLOCK_N]
-    tc = tl.minimum(t, last)
-    page = _load(table + (tc // G.page_size) * G.stride_table_page, None, None, live,
-                 GUARD).to(tl.int64)
-    slot = tc % G.page_size
+    tc = tl.minimum(t, last).to(tl.uint32)   # (never negative: unsigned division is cheaper)
+    page = _load(table + (tc // G.page_size).to(tl.int32) * G.stride_table_page, None, None,
+                 live, GUARD).to(tl.int64)
+    slot = (tc % G.page_size).to(tl.int32)
     k_rows = slot_rows(page, slot, KEY)
     if KEY == VALUE:   # the same strides (V of a combined cache: its own offset, compiled in)
         v_rows = k_rows
@@ -847,7 +851,8 @@ def finish(o, m, l, q_row, row_ok, d, d_ok, sinks_ptr, out_ptr, C: tl.constexpr)
 
 @jit(do_not_specialize=["num_rows"])
 def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, sinks_ptr, num_rows, out_ptr,
-                            C: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+                            C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                            ROWS: tl.constexpr):
     """Combine the SPLITS partials of ``ROWS`` output rows (token, query head) per program, in
     split order."""
     G: tl.constexpr = C.geometry
@@ -857,17 +862,18 @@ def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, sinks_ptr, num_r
     q_row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = q_row < num_rows
     q_row = tl.where(row_ok, q_row, 0).to(tl.int64)
-    s = tl.arange(0, T.splits)
-    part = q_row[:, None] * T.splits + s[None, :]                            # [ROWS, SPLITS]
-    m = tl.load(partial_stats_ptr + part * 2, mask=row_ok[:, None], other=_NEG_INF)
-    l = tl.load(partial_stats_ptr + part * 2 + 1, mask=row_ok[:, None], other=0.0)
+    s = tl.arange(0, BLOCK_S)
+    part = q_row[:, None] * T.splits + s[None, :]                            # [ROWS, BLOCK_S]
+    ok = row_ok[:, None] & (s < T.splits)[None, :]
+    m = tl.load(partial_stats_ptr + part * 2, mask=ok, other=_NEG_INF)
+    l = tl.load(partial_stats_ptr + part * 2 + 1, mask=ok, other=0.0)
     top = tl.reduce(m, 1, max_combine)
     top_use = tl.where(top == _NEG_INF, 0.0, top)
     weight = tl.math.exp2(m - top_use[:, None])                             # 0 for empty splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < G.head_dim
     parts = tl.load(partial_out_ptr + part[:, :, None] * G.head_dim + d[None, None, :],
-                    mask=row_ok[:, None, None] & d_ok[None, None, :], other=0.0)
+                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
     o = tl.reduce(parts * weight[:, :, None], 1, _sum_combine)
     finish(o, top, tl.reduce(l * weight, 1, _sum_combine), q_row, row_ok, d, d_ok, sinks_ptr,
            out_ptr, C)
