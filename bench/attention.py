@@ -90,16 +90,19 @@ def table_attention(device, cfg: Config, timer: Timer, copy_gbps: float) -> Tabl
         for fmt in FORMATS if timer.cuda else FORMATS[::3]:   # the CPU: a harness check
             kw, nbytes = make_cache(batch, context, fmt, device)
             out = torch.empty_like(kw["query"])
+            timer.settle()
             us = timer.time(mode, [lambda: attend(kw, out)])
             table.add(size, batch * context, fmt, mode, us, nbytes)
             if fmt == "e4m3":
                 table.add_roofline(size, batch * context, nbytes, copy_gbps)
                 route = _dequantize_route(kw, device)
+                timer.settle()
                 us = timer.time(mode, [route])
                 table.add(size, batch * context, "dequantize route", mode, us, nbytes)
                 if (batch, context) in ((64, 2048), CPU_SHAPES[-1]):
                     q4 = _four_queries(kw)
                     out4 = torch.empty_like(q4["query"])
+                    timer.settle()
                     us = timer.time(mode, [lambda: attend(q4, out4)])
                     table.add(size, batch * context, "e4m3 q4", mode, us, nbytes)
             del kw, out

@@ -35,6 +35,7 @@ class Config:
     sweep_warmup_ms: int = 10
     sweep_rep_ms: int = 50
     graph_calls: int = 10       # calls captured per CUDA graph: amortizes the replay launch
+    settle_ms: int = 1000       # idle GPU time before each row of the attention table
     wall_calls: int = 200
     cpu_calls: int = 3
     jax_calls: int = 50
@@ -127,6 +128,14 @@ class Timer:
     @property
     def modes(self) -> tuple[str, ...]:
         return ("graph", "eager", "eager-wall") if self.cuda else ("eager",)
+
+    def settle(self) -> None:
+        """Leave the GPU idle for ``cfg.settle_ms`` (nothing on the CPU): a row timed right
+        after a power-hungry one (the dequantize route's bf16 pages, a bf16 cache at full
+        bandwidth) would otherwise run at the clock the power cap left (bench/NOTES.md)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            time.sleep(self.cfg.settle_ms / 1000)
 
     def time(self, mode: str, fns, sweep: bool = False) -> float:
         """Time ``fns`` (zero-argument callables, one per input set) in ``mode``.
