@@ -478,21 +478,26 @@ def _cache(args: AttentionArgs) -> Cache:
 
 def _reading(args: AttentionArgs, side: SideScale, head_dim: int, sizes: dict,
              value: bool = False) -> Reading:
+    """How ``side`` is read; V (``value``) always transposed, as the PV MMA's A operand."""
+    return _reading_kind(args, side, head_dim, sizes, value)._replace(transposed=value)
+
+
+def _reading_kind(args: AttentionArgs, side: SideScale, head_dim: int, sizes: dict,
+                  value: bool) -> Reading:
     block_d = triton.next_power_of_2(head_dim)
     fmt = args.fmt
     if fmt is None:
         return Reading(READ_PLAIN, ScaleKind.NONE.id, COLUMNS_NONE, False, head_dim, block_d,
-                       1.0, args.query.dtype == "bfloat16", transposed=value)
+                       1.0, args.query.dtype == "bfloat16")
     if fmt.packed:
         return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 2.0 ** 14,
-                       fuse_scale=sizes["fuse_scale"], quads=value, transposed=value)
+                       fuse_scale=sizes["fuse_scale"], quads=value)
     if fmt.block_scaled:   # mxfp8: fp32 operands, the block scales applied to them
-        return Reading(READ_MXFP8, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 1.0,
-                       transposed=value)
+        return Reading(READ_MXFP8, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 1.0)
     columns = (COLUMNS_INLINE if args.inline_pad and side.is_dynamic else
                COLUMNS_ARRAY if side.is_dynamic else COLUMNS_NONE)
     return Reading(READ_FP8, side.kind.id, columns, columns == COLUMNS_ARRAY, head_dim, block_d,
-                   1.0, transposed=value)
+                   1.0)
 
 
 def splits_for(programs: int, max_context: int, tile: int, sizes: dict) -> int:
