@@ -340,6 +340,31 @@ def test_fp8kv_pdl_0_turns_the_dependent_launch_off():
     assert got == "False"
 
 
+def test_v_unpacking_shifts_give_each_code_its_exact_fp16_bits():
+    """The V asm's masks and shifts (no prmt), run in NumPy on every pair of two tokens' bytes:
+    code position ``c`` of each token becomes ``(code & 7) << 9 | (code & 8) << 12``, the
+    exact path's fp16 bits (the element times ``2**-14``), token ``t`` in the low half."""
+    from fp8kv.ops.paged_attention import _V_CODE_SHIFTS
+    pairs = np.arange(1 << 16, dtype=np.uint64)                 # (byte of t, byte of t + 1)
+    # Bytes 0 and 2 are codes 0-1 of the two tokens, bytes 1 and 3 codes 2-3.
+    words = np.concatenate([(pairs & 0xFF) | (pairs >> 8) << 16,
+                            ((pairs & 0xFF) << 8) | (pairs >> 8) << 24])
+    mask32 = np.uint64(0xFFFFFFFF)
+    nibbles = {"l": words & 0x0F0F0F0F, "u": words & 0xF0F0F0F0}
+
+    def shift(x, op, n):
+        return ((x << np.uint64(n)) & mask32) if op == "shl" else x >> np.uint64(n)
+
+    for c, (src, mag_op, mag, sign_op, sign) in enumerate(_V_CODE_SHIFTS):
+        x = nibbles[src]
+        got = (shift(x, mag_op, mag) | (shift(x, sign_op, sign) if sign_op else x)) & 0x8E008E00
+        first = 8 * (c // 2) + 4 * (c % 2)                     # the code's bits in the word
+        for lane, at in ((0, first), (16, first + 16)):
+            code = (words >> np.uint64(at)) & 0xF
+            want = ((code & 7) << 9) | ((code & 8) << 12)
+            np.testing.assert_array_equal((got >> np.uint64(lane)) & 0xFFFF, want)
+
+
 def test_plan_splits_small_calls_into_powers_of_two():
     sizes = ATTENTION_SIZES[CUDA]
     assert splits_for(512, 8192, 64, sizes) == 1
@@ -597,9 +622,10 @@ def test_kernels_compile_for_sm90(name, arrays):
         assert plan.attention.num_warps == 1
     if name.startswith("nvfp4"):   # codes times block scales in one asm, fp16 pairs out
         assert "prmt.b32" in ptx and "mul.rn.f16x2" in ptx
-        # K's pairs along the head dimension (0x1404), V's pairs of tokens (0x2404) straight
-        # from the codes' ldmatrix.trans: no fp16 V tile goes through shared memory.
-        assert "0x1404" in ptx and "0x2404" in ptx
+        # K's pairs along the head dimension (prmt 0x1404), V's pairs of tokens (masks and
+        # shifts, 0x8E008E00) straight from the codes' ldmatrix.trans: no fp16 V tile goes
+        # through shared memory.
+        assert "0x1404" in ptx and "0x8E008E00" in ptx
         assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
     if not name.startswith("mxfp8"):   # mxfp8: IEEE fp32 dots (its operands need fp32)
         assert "mma.sync" in ptx or "wgmma" in ptx

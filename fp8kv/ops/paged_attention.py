@@ -160,14 +160,36 @@ _NVFP4_SCALED_PTX: tl.constexpr = tl.constexpr(_scaled_pairs_ptx((
 
 # V: four codes of a token (16 bits) and the same four of the next token ($4: the two as the
 # 32-bit pair that the transposed MMA operand holds) to fp16 pairs (token, next token), one per
-# code position 0..3 (bytes 0 and 2 of h, of g, then bytes 1 and 3), each times the two
-# tokens' block scales: their e4m3 bytes as one 16-bit pair ($5), one cvt to an fp16 pair (an
-# fp16 operand made outside would take a byte gather, a conversion and a repack per pair). No
-# byte moves between the tokens: ldmatrix.trans already paired them, which is why V is read
-# this way.
-_NVFP4_QUADS_PTX: tl.constexpr = tl.constexpr(_scaled_pairs_ptx((
-    ("h", "0x2404", "s"), ("g", "0x2404", "s"), ("h", "0x3414", "s"), ("g", "0x3414", "s")),
-    "    .reg .b32 s;\n    cvt.rn.f16x2.e4m3x2 s, $5;\n"))
+# code position 0..3, each times the two tokens' block scales: their e4m3 bytes as one 16-bit
+# pair ($5), one cvt to an fp16 pair (an fp16 operand made outside would take a byte gather, a
+# conversion and a repack per pair). No byte moves between the tokens: ldmatrix.trans already
+# paired them (bytes 0 and 2, 1 and 3), which is why V is read this way, and each pair's two
+# fp16 words sit 16 bits apart as its two codes do, so one shift puts both magnitudes at bits
+# 9-11 and another both signs at bit 15: masks and shifts, no prmt. The shifts run on the FMA
+# pipe; NVFP4's unpacking keeps the ALU pipe the busiest (bench/NOTES.md).
+_V_CODE_SHIFTS = (("l", "shl", 9, "shl", 12), ("u", "shl", 5, "shl", 8),
+                  ("l", "shl", 1, "shl", 4), ("u", "shr", 3, None, 0))
+
+
+def _quads_ptx() -> str:
+    """The V asm: ``l`` / ``u`` the low / high nibbles of the four bytes; for code position
+    ``c`` (:data:`_V_CODE_SHIFTS`) ``(l or u) shifted by the magnitude's shift | shifted by the
+    sign's``, masked to bits 9-11 and 15 of each fp16, times the scale pair."""
+    body = ("{\n    .reg .b32 l, u, a, b, x, s;\n    cvt.rn.f16x2.e4m3x2 s, $5;\n"
+            "    and.b32 l, $4, 0x0F0F0F0F;\n    and.b32 u, $4, 0xF0F0F0F0;\n")
+    for k, (src, mag_op, mag, sign_op, sign) in enumerate(_V_CODE_SHIFTS):
+        body += f"    {mag_op}.b32 a, {src}, {mag};\n"
+        b = src
+        if sign_op:
+            body += f"    {sign_op}.b32 b, {src}, {sign};\n"
+            b = "b"
+        # lop3 0xA8: (a | b) & c
+        body += (f"    lop3.b32 x, a, {b}, 0x8E008E00, 0xA8;\n"
+                 f"    mul.rn.f16x2 ${k}, x, s;\n")
+    return body + "}"
+
+
+_NVFP4_QUADS_PTX: tl.constexpr = tl.constexpr(_quads_ptx())
 
 
 @jit
