@@ -137,16 +137,16 @@ def _nibbles_ptx(high: bool) -> str:
 _NVFP4_EVEN_PTX: tl.constexpr = tl.constexpr(_nibbles_ptx(False))
 _NVFP4_ODD_PTX: tl.constexpr = tl.constexpr(_nibbles_ptx(True))
 
-# The high bytes of all eight nibbles of $4 (the scaled asms' input).
+# The high bytes of all eight nibbles of $4 (the K asm's input).
 _NVFP4_HIGH_BYTES = ("\n    .reg .b32 a, b, h, g;" + _LOW_NIBBLES_PTX.format(src="$4")
                      + _HIGH_NIBBLES_PTX.format(src="$4").lstrip("\n"))
 
 
-def _scaled_pairs_ptx(pairs, prologue: str = "") -> str:
-    """The asm of :data:`_NVFP4_HIGH_BYTES` and ``prologue``, then output ``$k`` for each
-    ``(bytes, selector, scale)`` of ``pairs``: two of those high bytes moved in front of zero
-    low bytes by ``prmt``, the fp16 pair times the scale pair."""
-    return "{" + _NVFP4_HIGH_BYTES + prologue + "".join(
+def _scaled_pairs_ptx(pairs) -> str:
+    """The asm of :data:`_NVFP4_HIGH_BYTES`, then output ``$k`` for each ``(bytes, selector,
+    scale)`` of ``pairs``: two of those high bytes moved in front of zero low bytes by ``prmt``,
+    the fp16 pair times the scale pair."""
+    return "{" + _NVFP4_HIGH_BYTES + "".join(
         f"    prmt.b32 a, {src}, 0, {selector};\n    mul.rn.f16x2 ${k}, a, {scale};\n"
         for k, (src, selector, scale) in enumerate(pairs)) + "}"
 
