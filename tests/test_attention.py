@@ -618,9 +618,9 @@ def test_kernels_compile_for_sm90(name, arrays):
     if name == "bfloat16":   # the ``plain`` override: a pipeline that leaves 4 programs per SM
         assert tiles.stages == ATTENTION_SIZES[CUDA]["plain"]["stages"] == 4
         assert compiled.metadata.shared <= 56 * 1024
-    if name.startswith("nvfp4"):   # one warp per program (the ``packed`` override)
-        assert plan.attention.num_warps == 1
-    if name.startswith("nvfp4"):   # codes times block scales in one asm, fp16 pairs out
+    if name.startswith("nvfp4"):
+        assert plan.attention.num_warps == 1   # one warp per program (the ``packed`` override)
+        # Codes times block scales in one asm, fp16 pairs out.
         assert "prmt.b32" in ptx and "mul.rn.f16x2" in ptx
         # K's pairs along the head dimension (prmt 0x1404), V's pairs of tokens (masks and
         # shifts, 0x8E008E00) straight from the codes' ldmatrix.trans: no fp16 V tile goes
