@@ -135,7 +135,9 @@ class Constants(NamedTuple):
 # calls of fewer than 1,024 programs split up to about 1,024 -- where two warps share a program
 # its loop waits at their barriers three times a step and its end exchanges their states, and
 # NVFP4's unpacking leaves each warp few cycles to lose;
-# ``plain``: the same for a bf16 / fp16 cache (twice the shared memory per pipelined tile).
+# ``plain``: the same for a bf16 / fp16 cache (twice the shared memory per pipelined tile);
+# ``blocked``: an MXFP8 cache, one warp per program (its tile's blocks are a batch of one warp's
+# dots), split like ``packed``.
 # bench/NOTES.md ("Paged attention") has the measurements behind the CUDA row (``python -m
 # bench --only attention_sweep``). The interpreter runs one program at a time: small tiles,
 # and splits already for small calls so that the merge kernel runs in CPU tests.
@@ -164,13 +166,16 @@ ATTENTION_SIZES = {
                pow2_splits=True,
                packed=dict(warps=1, split_below=1024, target_programs=1024, min_split_tokens=128,
                            pow2_splits=False),
-               plain=dict(stages=4, split_stages=4)),
+               plain=dict(stages=4, split_stages=4),
+               blocked=dict(warps=1, split_below=1024, target_programs=1024,
+                            min_split_tokens=128, pow2_splits=False)),
     INTERPRET: dict(block_m=16, min_block_m=8, block_n=16, warps=2, stages=1, split_stages=1,
                     split_below=4, target_programs=4, min_split_tokens=16, max_splits=4,
                     merge_rows=16, merge_warps=1, peel=True, prefetch=0, pdl=False,
-                    fuse_scale=True, pow2_splits=True, packed={}, plain={}),
+                    fuse_scale=True, pow2_splits=True, packed={}, plain={},
+                    blocked=dict(warps=1)),
 }
-PEELED_READS = (READ_FP8, READ_NVFP4)
+PEELED_READS = (READ_FP8, READ_NVFP4, READ_MXFP8)
 # ``pdl``: the merge launched as a programmatic dependent of the attention grid (it waits for
 # the grid's end inside, ``gdc_wait``), so its launch overlaps the grid's last programs. Triton's
 # ``launch_pdl`` and its ``gdc_*`` functions are recent: used only where this Triton has them,
@@ -492,7 +497,7 @@ def _reading_kind(args: AttentionArgs, side: SideScale, head_dim: int, sizes: di
     if fmt.packed:
         return Reading(READ_NVFP4, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 2.0 ** 14,
                        fuse_scale=sizes["fuse_scale"], quads=value)
-    if fmt.block_scaled:   # mxfp8: fp32 operands, the block scales applied to them
+    if fmt.block_scaled:   # mxfp8: e4m3 codes as fp16 operands, a batch of dots per block
         return Reading(READ_MXFP8, side.kind.id, COLUMNS_NONE, True, head_dim, block_d, 1.0)
     columns = (COLUMNS_INLINE if args.inline_pad and side.is_dynamic else
                COLUMNS_ARRAY if side.is_dynamic else COLUMNS_NONE)
@@ -522,6 +527,8 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
         sizes = {**sizes, **sizes["plain"]}
     elif args.fmt.packed:
         sizes = {**sizes, **sizes["packed"]}
+    elif args.fmt.block_scaled:
+        sizes = {**sizes, **sizes["blocked"]}
     exact = backend == INTERPRET if exact is None else exact
     d = args.head_dim
     kc = args.key_cache
@@ -688,7 +695,7 @@ def paged_attention(query, key_cache, value_cache, block_table, seq_lens, key_sc
                 top = max(s.max(initial=-np.inf), -np.inf if sink is None else sink[hq])
                 p = np.exp(s - top)
                 den = p.sum() + (0.0 if sink is None else math.exp(sink[hq] - top))
-                out[tok, hq] = (p @ v) / den if den > 0 else 0.0
+                out[tok, hq] = 0.0 if den == 0 else (p @ v) / den   # NaN stays NaN
                 vmax[tok, hq] = np.abs(v).max(initial=0.0)
                 mass[tok, hq] = (np.abs(k) @ np.abs(q[tok, hq])).max(initial=0.0) * scale
     return out, vmax, mass

@@ -87,6 +87,31 @@ def test_matches_the_reference_within_the_bound(case, device):
     within_bound(attend(call), c)
 
 
+def test_mxfp8_nan_block_scales_make_their_rows_and_columns_nan(device):
+    """An E8M0 NaN (0xFF) in a token's V block scales makes that block's output columns of the
+    rows that see the token NaN, in K its rows; every other element keeps the reference's
+    bound (each block has a unit of its own)."""
+    case = AttentionCase(cache="mxfp8", seq_lens=(21, 9, 14), head_dim=128, page_size=8)
+    c = build(case)
+    call = dict(c["call"])
+    table = call["block_table"]
+
+    def poison(name, seq, token, block):   # NHD: [pages, slots, kv heads, D / 32]
+        scales = call[name].copy()
+        scales[table[seq, token // 8], token % 8, :, block] = 0xFF
+        call[name] = scales
+
+    poison("value_scale_cache", 0, 5, 2)
+    poison("key_scale_cache", 1, 8, 0)
+    ref = reference_attention(**call)[0]
+    assert np.isnan(ref[0, :, 64:96]).all() and np.isnan(ref[1]).all()
+    got = attend({k: to_torch(v, device) if isinstance(v, np.ndarray) else v
+                  for k, v in call.items()}).float().cpu().numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    finite = ~np.isnan(ref)
+    assert (np.abs(got - c["ref"])[finite] <= c["bound"][finite]).all()
+
+
 @pytest.mark.parametrize("case", CASES[:3] + CASES[9:10], ids=lambda c: c.id)
 def test_out_is_written_and_returned(case, device):
     call, c = call_of(case, device)
@@ -627,8 +652,9 @@ def test_kernels_compile_for_sm90(name, arrays):
         # through shared memory.
         assert "0x1404" in ptx and "0x8E008E00" in ptx
         assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
-    if not name.startswith("mxfp8"):   # mxfp8: IEEE fp32 dots (its operands need fp32)
-        assert "mma.sync" in ptx or "wgmma" in ptx
+    assert "mma.sync" in ptx or "wgmma" in ptx
+    if name.startswith("mxfp8"):   # e4m3 codes as fp16 operands, one warp, a dot per block
+        assert plan.attention.num_warps == 1 and "cvt.rn.f16x2.e4m3x2" in ptx
     # The tiles after the peeled one asked of L2 (where the row prefetches), or nothing.
     assert ("prefetch.global.L2" in ptx) == (tiles.prefetch > 0)
     if name == "e4m3":

@@ -17,9 +17,11 @@ Reading a tile: the token's page comes from the block table (tokens past the vis
 clamped to its last token, so no load reaches an unused page or block-table entry, and their
 scores are masked). Quantized formats become fp16 MMA operands exactly (e4m3 / e5m2 codes,
 NVFP4 codes times their block scale); the query becomes fp16 times a power of two; every other
-scale multiplies a score column, a probability column or the result (SPEC section 16.2). MXFP8
-codes times their E8M0 block scales (2**-127 .. 2**127 along a head row: no fp16 holds them)
-become fp32 operands, exactly, with an fp32 query, and take IEEE fp32 dots.
+scale multiplies a score column, a probability column or the result (SPEC section 16.2). MXFP8's
+E8M0 block scales (2**-127 .. 2**127 along a head row: no fp16 holds them) stay outside the
+operands: each block of 32 columns is a dot of its own (one warp takes a tile's blocks as a
+batch), its scores times the block's scale, its probabilities times each token's scale in units
+of the block's largest.
 
 Parameters follow the other kernels' order (input arrays, scalars, outputs, constexprs); the
 geometry comes as named-tuple constexprs (:mod:`fp8kv.attention` makes them).
@@ -28,8 +30,8 @@ import triton.language as tl
 
 from .. import attention
 from ._dual import jit
-from .codec import (SCALE_HEAD, SCALE_TENSOR, decode, fp32_to_output_bits, max_combine,
-                    mxfp8_values)
+from .codec import (NAN_BITS_FP32, SCALE_HEAD, SCALE_TENSOR, e8m0_values,
+                    fp32_to_output_bits, max_combine)
 from .addressing import LAYER_NONE, at_layer, select_layer, slot_rows
 
 try:   # programmatic dependent launch (Triton >= 3.4; fp8kv.attention.PDL decides its use)
@@ -326,11 +328,28 @@ def _columns(ok, TRANSPOSED: tl.constexpr):
 
 
 @jit
+def _at_blocks(rows, R: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """``rows`` (``[1, N]``: one warp) at each of their ``NB = block_d / 32`` blocks' 32
+    columns, ``[NB, N, 32]``, or ``[NB, 32, N]`` when ``TRANSPOSED`` (no reshape: the rows'
+    alignment, and with it the loads' width, stays visible to Triton)."""
+    tl.static_assert(rows.shape[0] == 1, "MXFP8 tiles are read by one warp per program")
+    NB: tl.constexpr = R.block_d // 32
+    b = tl.arange(0, NB)[:, None, None] * 32
+    j = tl.arange(0, 32)
+    if TRANSPOSED:   # (the warps' axis of rows, 1, broadcast to the blocks')
+        x = rows[:, None, :] + b + j[None, :, None]
+    else:
+        x = rows[:, :, None] + b + j[None, None, :]
+    return x
+
+
+@jit
 def load_codes(cache_ptr, rows, live, R: tl.constexpr, EXACT: tl.constexpr,
                GUARD: tl.constexpr):
     """One side's codes of a tile as stored, ``[W, BLOCK_N, D]`` (NVFP4: ``D / 2`` bytes, or
-    ``D / 4`` uint16 with ``R.quads``; a bf16 / fp16 cache's bits where the interpreter would
-    read them), transposed (``[W, D, BLOCK_N]``) with ``R.transposed``. ``rows``: their rows'
+    ``D / 4`` uint16 with ``R.quads``; MXFP8: ``[NB, BLOCK_N, 32]``, one warp's blocks of 32; a
+    bf16 / fp16 cache's bits where the interpreter would read them), transposed (``[W, D,
+    BLOCK_N]``, ``[NB, 32, BLOCK_N]``) with ``R.transposed``. ``rows``: their rows'
     offsets in the cache (:func:`fp8kv.ops.addressing.slot_rows`; the pointer is at the
     program's kv head). With ``GUARD``, nothing is read unless ``live`` (zeros instead)."""
     TR: tl.constexpr = R.transposed
@@ -346,6 +365,12 @@ def load_codes(cache_ptr, rows, live, R: tl.constexpr, EXACT: tl.constexpr,
         d = tl.arange(0, R.block_d // 2)
         codes = _load(_at_columns(cache_ptr + rows, d, TR), _columns(d < R.head_dim // 2, TR), 0,
                       live, GUARD)
+    elif R.kind == READ_MXFP8:   # each block of 32 a batch of the dots
+        at = _at_blocks(cache_ptr + rows, R, TR)
+        if R.block_d == R.head_dim:
+            codes = _load(at, None, None, live, GUARD)
+        else:   # head_dim 96: the padding block's codes are zeros
+            codes = _load(at, _at_blocks(rows * 0, R, TR) < R.head_dim, 0, live, GUARD)
     else:
         d = tl.arange(0, R.block_d)
         if R.block_d == R.head_dim:
@@ -360,8 +385,8 @@ def load_codes(cache_ptr, rows, live, R: tl.constexpr, EXACT: tl.constexpr,
 def load_scales(cache_ptr, side_ptr, rows, live, R: tl.constexpr, F: tl.constexpr,
                 GUARD: tl.constexpr):
     """``(blocks, columns)``: the block scales of a tile's codes (NVFP4: e4m3 ``[W, BLOCK_N,
-    D / 16]``; MXFP8: each column's E8M0, ``[W, BLOCK_N, D]``; both transposed as the codes;
-    else 0) and the tokens' dynamic scales ``[W, BLOCK_N]`` (1.0 without), as
+    D / 16]``, transposed as the codes; MXFP8: E8M0 ``[NB, BLOCK_N]``, one warp's; else 0) and
+    the tokens' dynamic scales ``[W, BLOCK_N]`` (1.0 without), as
     :func:`load_codes` reads codes; ``rows``: the rows' offsets in the cache and in the side
     array."""
     TR: tl.constexpr = R.transposed
@@ -371,11 +396,10 @@ def load_scales(cache_ptr, side_ptr, rows, live, R: tl.constexpr, F: tl.constexp
         db = tl.arange(0, R.block_d // 16)
         blocks = _load(_at_columns(side_ptr.to(tl.pointer_type(tl.uint8)) + srows, db, TR),
                        _columns(db < R.head_dim // 16, TR), 0, live, GUARD)
-    elif R.kind == READ_MXFP8:   # each column's block exponent (padding: 2**0)
-        d = tl.arange(0, R.block_d)
-        blocks = _load(_at_columns(side_ptr.to(tl.pointer_type(tl.uint8)) + srows,
-                                   d // F.BLOCK_SIZE, TR), _columns(d < R.head_dim, TR), 127,
-                       live, GUARD)
+    elif R.kind == READ_MXFP8:   # E8M0 bytes [NB, N] (one warp), K's and V's alike (padding: 0)
+        db = tl.arange(0, R.block_d // F.BLOCK_SIZE)[:, None]
+        blocks = _load(side_ptr.to(tl.pointer_type(tl.uint8)) + srows + db,
+                       db < R.head_dim // F.BLOCK_SIZE, 0, live, GUARD)
     if R.columns == COLUMNS_ARRAY:
         columns = _load(side_ptr + srows, None, None, live, GUARD)
     elif R.columns == COLUMNS_INLINE:   # the fp32 after the row's head_dim codes
@@ -412,8 +436,9 @@ def tile_operand(raw, R: tl.constexpr, F: tl.constexpr, TRANSPOSED: tl.constexpr
         tile = fp16_of_nvfp4(codes, blocks, BLOCK_CODES, EXACT, R.fuse_scale)
     elif R.kind == READ_FP8:
         tile = fp16_of_fp8(codes, F, TRANSPOSED, EXACT)
-    elif R.kind == READ_MXFP8:   # e4m3 values times their blocks' 2**(e - 127), exact in fp32
-        tile = mxfp8_values(decode(codes.to(tl.int32), F, EXACT), blocks.to(tl.int32), EXACT)
+    elif R.kind == READ_MXFP8:   # the e4m3 codes as fp16; their block scales go beside them
+        tile = fp16_of_fp8(codes, F, TRANSPOSED, EXACT)
+        columns = blocks
     elif EXACT:   # READ_PLAIN: fp32 of the bits
         tile = plain_to_fp32(codes, R.plain_bf16)
     else:
@@ -439,9 +464,8 @@ def load_query(query_ptr, q_token, q_head, row_ok, Q: tl.constexpr, R_K: tl.cons
 @jit
 def query_operand(q, R_K: tl.constexpr):
     """``(operand, unscale)``: :func:`load_query`'s rows as the MMA's A operand -- as stored for a
-    bf16/fp16 cache, fp32 for MXFP8, else fp16 times ``2**k`` with ``k`` putting the largest
-    ``|q|`` in ``[2**14, 2**15)`` (bf16 values then round only below ``2**-25`` of it) -- and
-    ``2**-k``."""
+    bf16/fp16 cache, else fp16 times ``2**k`` with ``k`` putting the largest ``|q|`` in
+    ``[2**14, 2**15)`` (bf16 values then round only below ``2**-25`` of it) -- and ``2**-k``."""
     if R_K.kind == READ_PLAIN:
         if q.dtype == tl.uint16:   # fp32 operands (the interpreter's bf16 is wrong)
             q = plain_to_fp32(q, R_K.plain_bf16)
@@ -451,19 +475,15 @@ def query_operand(q, R_K: tl.constexpr):
             x = (q.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
             x = q.to(tl.float32)
-        if R_K.kind == READ_MXFP8:   # fp32 operands: the query as it is (its products exact)
-            q = x
-            unscale = 1.0
-        else:
-            amax = tl.reduce(tl.reduce(tl.abs(x), 1, max_combine), 0, max_combine)
-            exp = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF     # biased exponent of amax
-            k = tl.where((amax > 0) & (exp < 255), 141 - exp, 0)     # 2**k amax in [2**14, 2**15)
-            k = tl.minimum(tl.maximum(k, -126), 126)
-            up = ((k + 127) << 23).to(tl.float32, bitcast=True)
-            q = (x * up).to(tl.float16)
-            unscale = ((127 - k) << 23).to(tl.float32, bitcast=True)
-            if R_K.kind == READ_NVFP4:   # even and odd columns, as the K tile has them
-                q = tl.split(tl.reshape(q, (q.shape[0], q.shape[1] // 2, 2)))
+        amax = tl.reduce(tl.reduce(tl.abs(x), 1, max_combine), 0, max_combine)
+        exp = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF     # biased exponent of amax
+        k = tl.where((amax > 0) & (exp < 255), 141 - exp, 0)     # 2**k amax in [2**14, 2**15)
+        k = tl.minimum(tl.maximum(k, -126), 126)
+        up = ((k + 127) << 23).to(tl.float32, bitcast=True)
+        q = (x * up).to(tl.float16)
+        unscale = ((127 - k) << 23).to(tl.float32, bitcast=True)
+        if R_K.kind == READ_NVFP4:   # even and odd columns, as the K tile has them
+            q = tl.split(tl.reshape(q, (q.shape[0], q.shape[1] // 2, 2)))
     return q, unscale
 
 
@@ -621,6 +641,9 @@ def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.conste
     if R_K.kind == READ_NVFP4:   # even and odd halves of the head dimension
         s = tl.dot(k[0], qt[0])
         s = tl.dot(k[1], qt[1], s)
+    elif R_K.kind == READ_MXFP8:   # a dot per block of 32 (one warp), times its 2**(e - 127)
+        sb = tl.dot(k, qt)                                          # [NB, N, M]
+        s = tl.reduce(sb * e8m0_values(k_cols.to(tl.int32))[:, :, None], 0, _sum_combine)[None]
     else:
         s = tl.dot(k, qt, input_precision="ieee")                  # [W, N, M]
     s = s * score_scale
@@ -652,7 +675,18 @@ def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.conste
         v_exp = new_exp
         unit = ((127 - v_exp) << 23).to(tl.float32, bitcast=True)
         p = p * (v_cols * unit)[:, :, None]
-    if R_V.kind == READ_NVFP4:   # output columns 4j + c, c = 0..3 (fp16_of_nvfp4_quads)
+    if R_V.kind == READ_MXFP8:
+        # Block b's probabilities times the tokens' 2**e of block b, in units of 2**v_exp[b]:
+        # the largest seen so far in block b (a power of two: the rescaling of acc is exact).
+        e = v_cols.to(tl.int32)                                     # [NB, N]
+        tile_exp = tl.reduce(tl.where(e == 255, 0, e), 1, max_combine)   # [NB]
+        new_exp = tl.maximum(v_exp, tile_exp)
+        down = _pow2_at_most_1(v_exp - new_exp, v_exp)              # [NB]
+        unit = _pow2_at_most_1(e - new_exp[:, None], e)             # NaN where e is 0xFF
+        v_exp = new_exp
+        pb = (p * unit[:, :, None]).to(tl.float16)                  # [NB, N, M] (one warp)
+        acc = tl.dot(v, pb, acc * (alpha * down[:, None])[:, None, :])
+    elif R_V.kind == READ_NVFP4:   # output columns 4j + c, c = 0..3 (fp16_of_nvfp4_quads)
         pv = p.to(tl.float16)
         acc = (tl.dot(v[0], pv, acc[0] * alpha[:, None, :]),
                tl.dot(v[1], pv, acc[1] * alpha[:, None, :]),
@@ -663,6 +697,14 @@ def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.conste
         acc = tl.dot(v, p.to(v.dtype), acc, input_precision="ieee")
     m_i = m_new
     return m_i, l_i, acc, v_exp
+
+
+@jit
+def _pow2_at_most_1(x, e):
+    """fp32 ``2**x`` of int32 ``x <= 0``, 0 below ``2**-126`` (no subnormal: XLA:CPU, where the
+    interpreter also runs, would flush one), NaN where the E8M0 code ``e`` is 0xFF."""
+    bits = tl.where(x >= -126, (x + 127) << 23, 0)
+    return tl.where(e == 255, NAN_BITS_FP32, bits).to(tl.float32, bitcast=True)
 
 
 @jit
@@ -783,6 +825,8 @@ def _paged_attention_kernel(
         HALF: tl.constexpr = R_K.block_d // 2
         qt = (tl.broadcast_to(tl.trans(q[0])[None, :, :], [T.warps, HALF, T.block_m]),
               tl.broadcast_to(tl.trans(q[1])[None, :, :], [T.warps, HALF, T.block_m]))
+    elif R_K.kind == READ_MXFP8:   # [NB, 32, M]: block b of the query's columns (one warp)
+        qt = tl.reshape(tl.trans(q), [R_K.block_d // 32, 32, T.block_m])
     else:
         qt = tl.broadcast_to(tl.trans(q)[None, :, :], [T.warps, R_K.block_d, T.block_m])
     score_scale = OPT.softmax_scale * k_static * unscale * R_K.unit
@@ -795,9 +839,15 @@ def _paged_attention_kernel(
                tl.full([T.warps, R_V.block_d // 4, T.block_m], 0.0, tl.float32),
                tl.full([T.warps, R_V.block_d // 4, T.block_m], 0.0, tl.float32),
                tl.full([T.warps, R_V.block_d // 4, T.block_m], 0.0, tl.float32))
+    elif R_V.kind == READ_MXFP8:   # [NB, 32, M]: block b of the output's columns (one warp)
+        acc = tl.full([R_V.block_d // 32, 32, T.block_m], 0.0, tl.float32)
     else:
         acc = tl.full([T.warps, R_V.block_d, T.block_m], 0.0, tl.float32)
-    v_exp = 0                                    # 2**v_exp: the unit of acc (dynamic V scales)
+    # 2**v_exp: the unit of acc (dynamic V scales; MXFP8: one per block, 2**(v_exp - 127))
+    if R_V.kind == READ_MXFP8:
+        v_exp = tl.full([R_V.block_d // 32], 0, tl.int32)
+    else:
+        v_exp = 0
     state = (m_i, l_i, acc, v_exp)
     scales = (score_scale, OPT.cap)
     first = start
@@ -832,11 +882,18 @@ def _paged_attention_kernel(
         s2 = tl.trans(warps_sum(acc[2] * weight[:, None, :], T.warps))
         s3 = tl.trans(warps_sum(acc[3] * weight[:, None, :], T.warps))
         o = tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), (T.block_m, R_V.block_d))
+    elif R_V.kind == READ_MXFP8:   # blocks in order; each times its 2**(v_exp - 127)
+        acc = tl.reshape(acc, (1, R_V.block_d, T.block_m))
+        o = tl.trans(warps_sum(acc * weight[:, None, :], T.warps))
     else:
         o = tl.trans(warps_sum(acc * weight[:, None, :], T.warps))
     out_scale = v_static * R_V.unit
     if R_V.columns != COLUMNS_NONE:
         out_scale = out_scale * ((127 + v_exp) << 23).to(tl.float32, bitcast=True)
+    if R_V.kind == READ_MXFP8:
+        block_scale = e8m0_values(v_exp)
+        o = o * tl.reshape(tl.broadcast_to(block_scale[:, None], (block_scale.shape[0], 32)),
+                           (R_V.block_d,))[None, :]
     o = o * out_scale
     q_row = (q_first + i).to(tl.int64) * G.num_heads + h * G.group + rows % G.group
     d = tl.arange(0, R_V.block_d)
