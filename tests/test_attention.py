@@ -175,9 +175,11 @@ RANDOM_CASES = [_random_case(np.random.default_rng(seed)) for seed in range(40)]
 
 
 def _random_mxfp8_case(seed) -> AttentionCase:
-    """A random configuration read from an mxfp8 cache (head_dim a multiple of 32)."""
+    """A random configuration read from an mxfp8 cache (head_dim a multiple of 32; every third
+    with an fp16 query)."""
     case = _random_case(np.random.default_rng(1000 + seed))
-    return replace(case, cache="mxfp8", scale="value", query_dtype="bfloat16",
+    return replace(case, cache="mxfp8", scale="value",
+                   query_dtype="float16" if seed % 3 == 0 else "bfloat16",
                    head_dim=case.head_dim if case.head_dim % 32 == 0 else 96)
 
 

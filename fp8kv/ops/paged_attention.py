@@ -882,10 +882,9 @@ def _paged_attention_kernel(
         s2 = tl.trans(warps_sum(acc[2] * weight[:, None, :], T.warps))
         s3 = tl.trans(warps_sum(acc[3] * weight[:, None, :], T.warps))
         o = tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), (T.block_m, R_V.block_d))
-    elif R_V.kind == READ_MXFP8:   # blocks in order; each times its 2**(v_exp - 127)
-        acc = tl.reshape(acc, (1, R_V.block_d, T.block_m))
-        o = tl.trans(warps_sum(acc * weight[:, None, :], T.warps))
     else:
+        if R_V.kind == READ_MXFP8:   # the blocks in order (one warp); each times its scale below
+            acc = tl.reshape(acc, (1, R_V.block_d, T.block_m))
         o = tl.trans(warps_sum(acc * weight[:, None, :], T.warps))
     out_scale = v_static * R_V.unit
     if R_V.columns != COLUMNS_NONE:
