@@ -159,16 +159,16 @@ class Constants(NamedTuple):
 # bytes (fp16 pairs out), instead of an unpacking asm and fp16 multiplies outside it, around
 # which Triton splits and rejoins every pair: fewer instructions per step in the sm_90 compile,
 # the same products. The interpreter has no asm: there it changes nothing.
+_ONE_WARP_SPLIT_TO_1024 = dict(warps=1, split_below=1024, target_programs=1024,
+                               min_split_tokens=128, pow2_splits=False)
 ATTENTION_SIZES = {
     CUDA: dict(block_m=16, min_block_m=8, block_n=32, warps=2, stages=5, split_stages=5,
                split_below=512, target_programs=264, min_split_tokens=256, max_splits=64,
                merge_rows=4, merge_warps=4, peel=True, prefetch=1, pdl=True, fuse_scale=True,
                pow2_splits=True,
-               packed=dict(warps=1, split_below=1024, target_programs=1024, min_split_tokens=128,
-                           pow2_splits=False),
+               packed=dict(_ONE_WARP_SPLIT_TO_1024),   # (copies: a sweep changes one of them)
                plain=dict(stages=4, split_stages=4),
-               blocked=dict(warps=1, split_below=1024, target_programs=1024,
-                            min_split_tokens=128, pow2_splits=False)),
+               blocked=dict(_ONE_WARP_SPLIT_TO_1024)),
     INTERPRET: dict(block_m=16, min_block_m=8, block_n=16, warps=2, stages=1, split_stages=1,
                     split_below=4, target_programs=4, min_split_tokens=16, max_splits=4,
                     merge_rows=16, merge_warps=1, peel=True, prefetch=0, pdl=False,
