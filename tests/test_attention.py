@@ -655,6 +655,10 @@ def test_kernels_compile_for_sm90(name, arrays):
         assert "0x1404" in ptx and "0x8E008E00" in ptx
         assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
     assert "mma.sync" in ptx or "wgmma" in ptx
+    if name.startswith(("e4m3", "e5m2")):   # codes converted four per register pair, as loaded
+        assert not re.search(r"ld\.shared\.[bu]8", ptx)   # (no byte-wise gather)
+    if name.startswith("e5m2"):   # each code the high byte of its fp16: prmt, no arithmetic
+        assert "0x1404" in ptx and "0x3424" in ptx
     if name.startswith("mxfp8"):   # e4m3 codes as fp16 operands, one warp, a dot per block
         assert plan.attention.num_warps == 1 and "cvt.rn.f16x2.e4m3x2" in ptx
     # The tiles after the peeled one asked of L2 (where the row prefetches), or nothing.

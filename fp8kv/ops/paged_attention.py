@@ -69,20 +69,23 @@ _E4M3X4_TO_FP16 = tl.constexpr("""{
         }""")
 
 
-@jit
-def _fp16_of_e4m3_pairs(codes):
-    """fp16 values of e4m3 bytes with the hardware conversion, four bytes per instruction pair."""
-    return tl.inline_asm_elementwise(_E4M3X4_TO_FP16, "=r,=r,r", [codes], dtype=tl.float16,
-                                     is_pure=True, pack=4)
+# Four e5m2 bytes to four fp16 values: an e5m2 code is the high byte of the fp16 of its value
+# (the same sign, exponent bias and field widths, two mantissa bits), so each byte moves in front
+# of a zero byte -- every code, inf and NaN alike, keeps its bits.
+_E5M2X4_TO_FP16 = tl.constexpr("""{
+        prmt.b32 $0, $2, 0, 0x1404;
+        prmt.b32 $1, $2, 0, 0x3424;
+        }""")
 
 
 @jit
-def _fp16_of_e4m3_pairs_held(codes):
-    """:func:`_fp16_of_e4m3_pairs`, marked impure: Triton then converts the codes where they are
-    loaded and hands fp16 to the MMA operand layout (ldmatrix.trans for V), instead of moving
-    the conversion after a byte-wise gather of V's transposed operand."""
-    return tl.inline_asm_elementwise(_E4M3X4_TO_FP16, "=r,=r,r", [codes], dtype=tl.float16,
-                                     is_pure=False, pack=4)
+def _fp16_of_fp8_pairs(codes, ASM: tl.constexpr, HELD: tl.constexpr):
+    """fp16 values of FP8 bytes by ``ASM`` (:data:`_E4M3X4_TO_FP16`, :data:`_E5M2X4_TO_FP16`),
+    four bytes per instruction pair. ``HELD``: marked impure, so that Triton converts the codes
+    where they are loaded and hands fp16 to the MMA operand layout (ldmatrix.trans for V),
+    instead of moving the conversion after a byte-wise gather of V's transposed operand."""
+    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [codes], dtype=tl.float16,
+                                     is_pure=not HELD, pack=4)
 
 
 @jit
@@ -90,12 +93,12 @@ def fp16_of_fp8(codes, F: tl.constexpr, TRANSPOSED: tl.constexpr, EXACT: tl.cons
     """fp16 of FP8 codes (uint8) of format ``F`` (a :class:`fp8kv.formats.Codec`), exact:
     sign, then the magnitude's bits moved into fp16's field and scaled by ``2**(15 - bias)``
     (a power of two; fp16 holds every e4m3 and e5m2 value). A NaN code gives a NaN, e5m2's inf
-    an inf. The e4m3 fast path is the hardware conversion (the same values)."""
+    an inf. The fast paths: e4m3 the hardware conversion (the same values), e5m2 its byte as
+    the fp16's high byte (the same bits)."""
     if F.EXP_BITS == 4 and F.MAN_BITS == 3 and not EXACT:
-        if TRANSPOSED:
-            x = _fp16_of_e4m3_pairs_held(codes)
-        else:
-            x = _fp16_of_e4m3_pairs(codes)
+        x = _fp16_of_fp8_pairs(codes, _E4M3X4_TO_FP16, TRANSPOSED)
+    elif F.EXP_BITS == 5 and F.MAN_BITS == 2 and F.BIAS == 15 and not EXACT:
+        x = _fp16_of_fp8_pairs(codes, _E5M2X4_TO_FP16, TRANSPOSED)
     else:
         c = codes.to(tl.uint16)
         mag = c & 0x7F
