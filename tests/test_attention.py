@@ -112,6 +112,34 @@ def test_mxfp8_nan_block_scales_make_their_rows_and_columns_nan(device):
     assert (np.abs(got - c["ref"])[finite] <= c["bound"][finite]).all()
 
 
+@pytest.mark.parametrize("fmt, nan_code", [("e4m3", 0x7F), ("e5m2", 0xFE)])
+def test_fp8_nan_codes_make_what_reads_them_nan(fmt, nan_code, device):
+    """A NaN code in a visible token's K makes the rows that see the token NaN, in its V the
+    column of those rows (NaN times a probability, even 0); every other element keeps the
+    reference's bound (SPEC section 16.2)."""
+    case = AttentionCase(cache=fmt, scale="tensor", seq_lens=(21, 9, 14), head_dim=64,
+                         page_size=8)
+    c = build(case)
+    call = dict(c["call"])
+    table = call["block_table"]
+
+    def poison(name, seq, token, dim):   # NHD: [pages, slots, kv heads, D]
+        codes = call[name].copy()
+        codes.view(np.uint8)[table[seq, token // 8], token % 8, :, dim] = nan_code
+        call[name] = codes
+
+    poison("key_cache", 1, 4, 7)
+    poison("value_cache", 2, 13, 50)
+    ref = reference_attention(**call)[0]
+    assert np.isnan(ref[1]).all() and np.isnan(ref[2, :, 50]).all()
+    assert not np.isnan(ref[0]).any() and not np.isnan(np.delete(ref[2], 50, axis=-1)).any()
+    got = attend({k: to_torch(v, device) if isinstance(v, np.ndarray) else v
+                  for k, v in call.items()}).float().cpu().numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    finite = ~np.isnan(ref)
+    assert (np.abs(got - c["ref"])[finite] <= c["bound"][finite]).all()
+
+
 @pytest.mark.parametrize("case", CASES[:3] + CASES[9:10], ids=lambda c: c.id)
 def test_out_is_written_and_returned(case, device):
     call, c = call_of(case, device)
