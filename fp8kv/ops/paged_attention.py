@@ -69,13 +69,16 @@ _E4M3X4_TO_FP16 = tl.constexpr("""{
         }""")
 
 
+def _high_bytes_ptx(src: str) -> str:
+    """The four bytes of ``src`` as the high bytes of two fp16 pairs (``$0``: bytes 0-1, ``$1``:
+    2-3), each moved in front of a zero low byte by prmt."""
+    return f"    prmt.b32 $0, {src}, 0, 0x1404;\n    prmt.b32 $1, {src}, 0, 0x3424;\n"
+
+
 # Four e5m2 bytes to four fp16 values: an e5m2 code is the high byte of the fp16 of its value
-# (the same sign, exponent bias and field widths, two mantissa bits), so each byte moves in front
-# of a zero byte -- every code, inf and NaN alike, keeps its bits.
-_E5M2X4_TO_FP16 = tl.constexpr("""{
-        prmt.b32 $0, $2, 0, 0x1404;
-        prmt.b32 $1, $2, 0, 0x3424;
-        }""")
+# (the same sign, exponent bias and field widths, two mantissa bits) -- every code, inf and NaN
+# alike, keeps its bits.
+_E5M2X4_TO_FP16 = tl.constexpr("{\n" + _high_bytes_ptx("$2") + "}")
 
 
 @jit
@@ -114,7 +117,7 @@ def fp16_of_fp8(codes, F: tl.constexpr, TRANSPOSED: tl.constexpr, EXACT: tl.cons
 
 # NVFP4 nibbles of four bytes to fp16 bits: each fp16's high byte is sign << 7 | magnitude << 1
 # (computed on all four bytes of ``src`` at once: ``h`` from the low nibbles, ``g`` from the high
-# ones, byte k from byte k), later moved in front of a zero low byte by prmt.
+# ones, byte k from byte k), later moved in front of a zero low byte (:func:`_high_bytes_ptx`).
 _LOW_NIBBLES_PTX = """
     shl.b32 a, {src}, 1;
     and.b32 a, a, 0x0E0E0E0E;
@@ -134,9 +137,7 @@ def _nibbles_ptx(high: bool) -> str:
     """One half of four bytes' nibbles (``$2``) to two fp16 pairs (``$0``: bytes 0-1, ``$1``:
     2-3)."""
     body = (_HIGH_NIBBLES_PTX if high else _LOW_NIBBLES_PTX).format(src="$2")
-    bytes_ = "g" if high else "h"
-    return ("{\n    .reg .b32 a, b, h, g;" + body + f"    prmt.b32 $0, {bytes_}, 0, 0x1404;\n"
-            f"    prmt.b32 $1, {bytes_}, 0, 0x3424;\n}}")
+    return "{\n    .reg .b32 a, b, h, g;" + body + _high_bytes_ptx("g" if high else "h") + "}"
 
 
 _NVFP4_EVEN_PTX: tl.constexpr = tl.constexpr(_nibbles_ptx(False))
