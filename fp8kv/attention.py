@@ -508,8 +508,8 @@ def _reading_kind(args: AttentionArgs, side: SideScale, head_dim: int, sizes: di
 def splits_for(programs: int, max_context: int, tile: int, sizes: dict) -> int:
     """Splits per (sequence, kv head, row tile) that bring the call to ``target_programs``
     (a power of two with ``pow2_splits``), each split keeping ``min_split_tokens`` (and a whole
-    tile)."""
-    if programs >= sizes["split_below"]:
+    tile); 1 for an empty call."""
+    if programs == 0 or programs >= sizes["split_below"]:
         return 1
     want = -(-sizes["target_programs"] // programs)
     most = max(1, max_context // max(sizes["min_split_tokens"], tile))

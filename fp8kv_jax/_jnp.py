@@ -511,7 +511,7 @@ def paged_attention(given: dict, *, args) -> dict:
         seen &= t[None, :] > (pos[:, None] - args.sliding_window)
     seen = seen[:, None, None, :]
     s = jnp.where(seen, s, -jnp.inf)
-    top = s.max(axis=-1, keepdims=True)
+    top = s.max(axis=-1, keepdims=True, initial=-jnp.inf)   # a table of no pages: no token
     if args.sinks:
         sink = given["sinks"].reshape(1, args.num_kv_heads, group, 1)
         top = jnp.maximum(top, sink)

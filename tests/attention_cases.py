@@ -221,3 +221,26 @@ def _stack(array, case: AttentionCase, rng):
     if case.layer < case.layers:
         stack[case.layer] = array
     return stack
+
+
+NOTHING_TO_READ = ("no_sequences", "no_query_tokens", "no_pages")
+
+
+def nothing_to_read(kind: str) -> dict:
+    """The call of an engine's step that reads no token (:data:`NOTHING_TO_READ`): a batch of
+    no sequences; one sequence with no query token (``query_start_loc``); or two empty
+    sequences, a block table of no columns and sinks. Its output is all zeros ([0, 8, 32] for
+    the first two, [2, 8, 32] for the third); every cache byte is NaN, so a read shows."""
+    seqs, tokens, width, length = {"no_sequences": (0, 0, 2, 0), "no_query_tokens": (1, 0, 2, 5),
+                                   "no_pages": (2, 2, 0, 0)}[kind]
+    rng = np.random.default_rng(0)
+    cache = np.full((4, 8, 2, 32), 0xFF, np.uint8).view(FP8_DTYPES["e4m3"])
+    call = dict(query=rng.standard_normal((tokens, 8, 32)).astype(ml_dtypes.bfloat16),
+                key_cache=cache, value_cache=cache.copy(),
+                block_table=np.zeros((seqs, width), np.int32),
+                seq_lens=np.full(seqs, length, np.int32), key_scale=1.0, value_scale=1.0)
+    if kind == "no_query_tokens":
+        call["query_start_loc"] = np.zeros(seqs + 1, np.int32)
+    if kind == "no_pages":
+        call["sinks"] = np.ones(8, np.float32)
+    return call

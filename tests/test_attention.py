@@ -23,7 +23,8 @@ from fp8kv.attention import ATTENTION_SIZES, error_bound, plan_attention, splits
 from fp8kv.attention import paged_attention as reference_attention  # noqa: E402
 from fp8kv.plan import CUDA, INTERPRET  # noqa: E402
 from fp8kv_torch import _attention  # noqa: E402
-from tests.attention_cases import AttentionCase, build  # noqa: E402
+from tests.attention_cases import (NOTHING_TO_READ, AttentionCase, build,  # noqa: E402
+                                   nothing_to_read)
 from tests.helpers import requires_cuda, to_torch  # noqa: E402
 
 # One case per feature; each runs on every device (the interpreter: a second or two each).
@@ -144,6 +145,17 @@ def test_out_is_written_and_returned(case, device):
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     assert attend(call, out=out) is out
     within_bound(out, c)
+
+
+@pytest.mark.parametrize("kind", NOTHING_TO_READ)
+def test_a_call_that_reads_no_token_gives_zeros(kind, device):
+    """An engine's empty step (no sequences, no query tokens, no pages) returns its output's
+    shape of zeros, without reading the (NaN) caches."""
+    call = {k: to_torch(v, device) if isinstance(v, np.ndarray) else v
+            for k, v in nothing_to_read(kind).items()}
+    out = attend(call)
+    assert out.shape == call["query"].shape and out.dtype == torch.bfloat16
+    assert not (out != 0).any()
 
 
 @requires_cuda

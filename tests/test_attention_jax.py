@@ -18,7 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import fp8kv_jax  # noqa: E402
 from tests import jax_glue  # noqa: E402
-from tests.attention_cases import AttentionCase, build  # noqa: E402
+from tests.attention_cases import (NOTHING_TO_READ, AttentionCase, build,  # noqa: E402
+                                   nothing_to_read)
 from tests.helpers import jnp_where_jax_runs_on_the_cpu  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,6 +89,20 @@ def test_gpu_launch_code_through_the_interpreter(case, monkeypatch):
     jax_glue.use_interpreted_gpu_path(monkeypatch)
     c = build(case)
     within_bound(attend(c["call"]), c)
+
+
+@pytest.mark.parametrize("path", [pytest.param("default_device", marks=JNP),
+                                  "gpu_launch_code"])
+@pytest.mark.parametrize("kind", NOTHING_TO_READ)
+def test_a_call_that_reads_no_token_gives_zeros(kind, path, monkeypatch):
+    """As torch's test of the same name: zeros of the output's shape, the caches unread (the
+    default device: the jnp path on the CPU, the kernels on a GPU)."""
+    if path == "gpu_launch_code":
+        jax_glue.use_interpreted_gpu_path(monkeypatch)
+    call = nothing_to_read(kind)
+    out = attend(call)
+    assert out.shape == call["query"].shape and out.dtype == jnp.bfloat16
+    assert not np.asarray(out != 0).any()
 
 
 def test_gpu_path_never_hands_attention_to_xla_triton_call(monkeypatch):
