@@ -140,9 +140,11 @@ def build(case: AttentionCase) -> dict:
         table[b, :n] = order[k:k + n]
         k += n
     unused = order[k:]
-    kc, vc = _poison(kc, unused), _poison(vc, unused)
-    sides = tuple(None if x is None else _poison(x, unused) for x in sides)
     q_lens = np.ones(num_seqs, np.int64) if case.query_lens is None else np.asarray(case.query_lens)
+    unseen = _unseen_rows(case, table, lens, q_lens)
+    kc, vc = (_poison(_poison_rows(x, unseen, case), unused) for x in (kc, vc))
+    sides = tuple(None if x is None else _poison(_poison_rows(x, unseen, case), unused)
+                  for x in sides)
     query = (rng.standard_normal((int(q_lens.sum()), case.num_heads, d)) * 1.3).astype(
         NP_DTYPES[case.query_dtype])
     call = dict(kwargs, query=query, block_table=table, seq_lens=lens)
@@ -210,6 +212,36 @@ def _poison(array, pages):
     slots) no sequence names."""
     array = np.array(array, copy=True)
     array.view(np.uint8)[np.asarray(pages, np.int64)] = 0xFF
+    return array
+
+
+def _unseen_rows(case: AttentionCase, table, lens, q_lens) -> list:
+    """``(page, offset)`` of every token in a sequence's pages that none of its query rows sees:
+    past its length, before its first row's window, all of them without query rows."""
+    ps = case.page_size if case.rank == 4 else 1
+    rows = []
+    for b, (n, q) in enumerate(zip(lens, q_lens)):
+        first = int(n) - int(q)                      # the first query row's position
+        low = max(0, first - case.window + 1) if case.window else 0
+        for t in range(-(-int(n) // ps) * ps):
+            if q == 0 or not low <= t < n:
+                rows.append((int(table[b, t // ps]), t % ps))
+    return rows
+
+
+def _poison_rows(array, rows, case: AttentionCase):
+    """NaN bytes (see :func:`_poison`) in the token rows ``rows`` of a cache or side array of
+    the case's layout."""
+    array = np.array(array, copy=True)
+    raw = array.view(f"u{array.itemsize}")             # the same shape, every bit settable
+    ones = np.iinfo(raw.dtype).max
+    for page, offset in rows:
+        if case.rank == 3:
+            raw[page] = ones
+        elif case.layout == "NHD" or array.ndim == 2:   # [P, S, ...] or per-token HND [P, S]
+            raw[page, offset] = ones
+        else:
+            raw[page, :, offset] = ones
     return array
 
 
