@@ -6,7 +6,7 @@ A case is an :class:`AttentionCase`; :func:`build` gives its arrays and keyword 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ml_dtypes
 import numpy as np
@@ -253,6 +253,53 @@ def _stack(array, case: AttentionCase, rng):
     if case.layer < case.layers:
         stack[case.layer] = array
     return stack
+
+
+def _random_case(rng) -> AttentionCase:
+    """A configuration drawn from every cache format and scale kind, GQA group, head_dim, page
+    size, layout and rank, 1-4 ragged lengths (0 included), query lengths 0-16, sliding
+    window, soft cap, sinks, stacked caches."""
+    cache = rng.choice(["e4m3", "e5m2", "nvfp4", "bfloat16", "float16"])
+    scales = {"e4m3": ["value", "tensor", "head", "token", "token_head", "inline", "inline16"],
+              "e5m2": ["value", "head", "token_head"], "nvfp4": ["value", "tensor"]}
+    group = int(rng.choice([1, 4, 8, 16]))
+    kv = int(rng.choice([1, 2]))
+    ps = int(rng.choice([1, 4, 16, 64]))
+    rank = 3 if ps == 1 and rng.random() < 0.5 else 4
+    seqs = int(rng.integers(1, 5))
+    q_lens = None
+    if rng.random() < 0.4:
+        q_lens = tuple(int(x) for x in rng.integers(0, 17, seqs))
+    lens = tuple(int(x) for x in rng.integers(0, 300, seqs))
+    if q_lens is not None:
+        lens = tuple(max(n, q) for n, q in zip(lens, q_lens))
+    return AttentionCase(
+        cache=str(cache), scale=str(rng.choice(scales.get(cache, ["value"]))),
+        query_dtype="float16" if cache == "float16" else "bfloat16",
+        layout=str(rng.choice(["NHD", "HND"])), rank=rank, combined=bool(rng.random() < 0.2),
+        layers=0 if cache == "nvfp4" or rng.random() < 0.7 else 3, layer=1,
+        num_heads=group * kv, num_kv_heads=kv,
+        head_dim=int(rng.choice([64, 80, 96, 128, 256])), page_size=ps, seq_lens=lens,
+        query_lens=q_lens, window=int(rng.integers(1, 64)) if rng.random() < 0.3 else None,
+        soft_cap=30.0 if rng.random() < 0.3 else None, sinks=bool(rng.random() < 0.3),
+        seed=int(rng.integers(1 << 30)))
+
+
+# The GPU suite runs them all (torch and JAX), the CPU every one through JAX's jnp path and a
+# few through the interpreter (whose programs take milliseconds each).
+RANDOM_CASES = [_random_case(np.random.default_rng(seed)) for seed in range(40)]
+
+
+def _random_mxfp8_case(seed) -> AttentionCase:
+    """A random configuration read from an mxfp8 cache (head_dim a multiple of 32; every third
+    with an fp16 query)."""
+    case = _random_case(np.random.default_rng(1000 + seed))
+    return replace(case, cache="mxfp8", scale="value",
+                   query_dtype="float16" if seed % 3 == 0 else "bfloat16",
+                   head_dim=case.head_dim if case.head_dim % 32 == 0 else 96)
+
+
+RANDOM_CASES += [_random_mxfp8_case(seed) for seed in range(12)]
 
 
 NOTHING_TO_READ = ("no_sequences", "no_query_tokens", "no_pages")

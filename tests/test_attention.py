@@ -9,7 +9,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -23,8 +22,8 @@ from fp8kv.attention import ATTENTION_SIZES, error_bound, plan_attention, splits
 from fp8kv.attention import paged_attention as reference_attention  # noqa: E402
 from fp8kv.plan import CUDA, INTERPRET  # noqa: E402
 from fp8kv_torch import _attention  # noqa: E402
-from tests.attention_cases import (NOTHING_TO_READ, AttentionCase, build,  # noqa: E402
-                                   nothing_to_read)
+from tests.attention_cases import (NOTHING_TO_READ, RANDOM_CASES, AttentionCase,  # noqa: E402
+                                   build, nothing_to_read)
 from tests.helpers import requires_cuda, to_torch  # noqa: E402
 
 # One case per feature; each runs on every device (the interpreter: a second or two each).
@@ -181,53 +180,23 @@ def attend_exact(call: dict):
     return _attention.run(op, {**defaults, **call, "exact": True})
 
 
-def _random_case(rng) -> AttentionCase:
-    cache = rng.choice(["e4m3", "e5m2", "nvfp4", "bfloat16", "float16"])
-    scales = {"e4m3": ["value", "tensor", "head", "token", "token_head", "inline", "inline16"],
-              "e5m2": ["value", "head", "token_head"], "nvfp4": ["value", "tensor"]}
-    group = int(rng.choice([1, 4, 8, 16]))
-    kv = int(rng.choice([1, 2]))
-    ps = int(rng.choice([1, 4, 16, 64]))
-    rank = 3 if ps == 1 and rng.random() < 0.5 else 4
-    seqs = int(rng.integers(1, 5))
-    q_lens = None
-    if rng.random() < 0.4:
-        q_lens = tuple(int(x) for x in rng.integers(0, 17, seqs))
-    lens = tuple(int(x) for x in rng.integers(0, 300, seqs))
-    if q_lens is not None:
-        lens = tuple(max(n, q) for n, q in zip(lens, q_lens))
-    return AttentionCase(
-        cache=str(cache), scale=str(rng.choice(scales.get(cache, ["value"]))),
-        query_dtype="float16" if cache == "float16" else "bfloat16",
-        layout=str(rng.choice(["NHD", "HND"])), rank=rank, combined=bool(rng.random() < 0.2),
-        layers=0 if cache == "nvfp4" or rng.random() < 0.7 else 3, layer=1,
-        num_heads=group * kv, num_kv_heads=kv,
-        head_dim=int(rng.choice([64, 80, 96, 128, 256])), page_size=ps, seq_lens=lens,
-        query_lens=q_lens, window=int(rng.integers(1, 64)) if rng.random() < 0.3 else None,
-        soft_cap=30.0 if rng.random() < 0.3 else None, sinks=bool(rng.random() < 0.3),
-        seed=int(rng.integers(1 << 30)))
-
-
-RANDOM_CASES = [_random_case(np.random.default_rng(seed)) for seed in range(40)]
-
-
-def _random_mxfp8_case(seed) -> AttentionCase:
-    """A random configuration read from an mxfp8 cache (head_dim a multiple of 32; every third
-    with an fp16 query)."""
-    case = _random_case(np.random.default_rng(1000 + seed))
-    return replace(case, cache="mxfp8", scale="value",
-                   query_dtype="float16" if seed % 3 == 0 else "bfloat16",
-                   head_dim=case.head_dim if case.head_dim % 32 == 0 else 96)
-
-
-RANDOM_CASES += [_random_mxfp8_case(seed) for seed in range(12)]
-
-
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", RANDOM_CASES, ids=lambda c: c.id)
 def test_gpu_random_configurations(case):
     call, c = call_of(case, "cuda")
+    within_bound(attend(call), c)
+
+
+# Those the interpreter runs in about a second each: both unquantized dtypes, e4m3 (head scales,
+# inline), e5m2 (head, token-head), nvfp4, mxfp8; ranks 3 and 4, both layouts, windows, sinks,
+# caps, stacked and combined caches, query lengths of 0.
+INTERPRETED_RANDOM_CASES = [RANDOM_CASES[i] for i in (0, 1, 12, 19, 24, 30, 36, 37, 48)]
+
+
+@pytest.mark.parametrize("case", INTERPRETED_RANDOM_CASES, ids=lambda c: c.id)
+def test_random_configurations_through_the_interpreter(case):
+    call, c = call_of(case, "cpu")
     within_bound(attend(call), c)
 
 

@@ -18,8 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import fp8kv_jax  # noqa: E402
 from tests import jax_glue  # noqa: E402
-from tests.attention_cases import (NOTHING_TO_READ, AttentionCase, build,  # noqa: E402
-                                   nothing_to_read)
+from tests.attention_cases import (NOTHING_TO_READ, RANDOM_CASES, AttentionCase,  # noqa: E402
+                                   build, nothing_to_read)
 from tests.helpers import jnp_where_jax_runs_on_the_cpu  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,6 +80,14 @@ def within_bound(out, c):
 @on_jnp
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_matches_the_reference_within_the_bound(case):
+    c = build(case)
+    within_bound(attend(c["call"]), c)
+
+
+@on_jnp
+@pytest.mark.parametrize("case", RANDOM_CASES, ids=lambda c: c.id)
+def test_random_configurations(case):
+    """tests/test_attention.py's random configurations on JAX's default device."""
     c = build(case)
     within_bound(attend(c["call"]), c)
 
