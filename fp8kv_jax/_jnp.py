@@ -520,7 +520,9 @@ def paged_attention(given: dict, *, args) -> dict:
     den = p.sum(axis=-1, keepdims=True)
     if args.sinks:
         den = den + jnp.exp(sink - top)
-    vs = jnp.where(seen[:, 0, 0, :, None, None], vs, 0.0)   # a zero probability of an unseen
-    o = jnp.einsum("thgn,tnhd->thgd", p, vs, precision=lax.Precision.HIGHEST)   # NaN is not 0
+    # An unseen token's value may be NaN (a padding entry's page, a slot past the length, a
+    # token before the window): its zero probability would not cancel it in the sum.
+    vs = jnp.where(seen[:, 0, 0, :, None, None], vs, 0.0)
+    o = jnp.einsum("thgn,tnhd->thgd", p, vs, precision=lax.Precision.HIGHEST)
     o = jnp.where(den > 0, o / jnp.where(den > 0, den, 1.0), 0.0)
     return {"out": o.reshape(args.out_shape).astype(args.out_dtype)}

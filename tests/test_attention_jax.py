@@ -87,7 +87,8 @@ def test_matches_the_reference_within_the_bound(case):
 @on_jnp
 @pytest.mark.parametrize("case", RANDOM_CASES, ids=lambda c: c.id)
 def test_random_configurations(case):
-    """tests/test_attention.py's random configurations on JAX's default device."""
+    """The random configurations (tests/attention_cases.py) on JAX's default device: the jnp
+    path on the CPU, the kernels through jax-triton on a GPU."""
     c = build(case)
     within_bound(attend(c["call"]), c)
 
