@@ -21,12 +21,13 @@ def _fp16(bits):
     return (bits & _MASK[16]).astype(np.uint16).view(np.float16)
 
 
-def _fp16_bits(values) -> np.ndarray:
-    return np.asarray(values, np.float16).view(np.uint16).astype(np.uint64)
+def fp16_bits(values) -> np.ndarray:
+    """The bits (uint16) of ``values`` rounded to fp16 (RNE)."""
+    return np.asarray(values, np.float16).view(np.uint16)
 
 
 def _f16x2(lo, hi) -> np.ndarray:
-    return _fp16_bits(lo) | (_fp16_bits(hi) << np.uint64(16))
+    return fp16_bits(lo).astype(np.uint64) | (fp16_bits(hi).astype(np.uint64) << np.uint64(16))
 
 
 def _e4m3_to_fp16(byte) -> np.ndarray:

@@ -16,7 +16,7 @@ from fp8kv import reference
 from fp8kv.formats import E4M3, E5M2
 from fp8kv.ops import codec
 from fp8kv.ops import paged_attention as pa
-from tests.ptx_subset import run
+from tests.ptx_subset import fp16_bits, run
 
 U16 = np.uint64(0xFFFF)
 
@@ -35,10 +35,6 @@ def _byte(word, k):
 
 def _halves(pair) -> list[np.ndarray]:
     return [((pair >> np.uint64(16 * k)) & U16).astype(np.uint16) for k in (0, 1)]
-
-
-def _fp16_bits(values) -> np.ndarray:
-    return np.asarray(values, np.float64).astype(np.float16).view(np.uint16)
 
 
 def _assert_same_fp16(got_bits, want_bits):
@@ -68,7 +64,7 @@ def test_fp8_codes_become_their_fp16_values(fmt, asm):
 def _nvfp4_times_2_14(codes) -> np.ndarray:
     """fp16 bits of the E2M1 values of ``codes`` (nibbles) times ``2**-14``, -0.0 kept."""
     values = reference.e2m1_values(np.asarray(codes, np.uint8)[..., None])[..., 0]
-    return _fp16_bits(values * 2.0 ** -14)
+    return fp16_bits(values * 2.0 ** -14)
 
 
 @pytest.mark.parametrize("high", [False, True], ids=["low_nibbles", "high_nibbles"])
@@ -107,7 +103,7 @@ def test_nvfp4_key_pairs_are_scaled_by_their_own_block_scales():
         scale = _scale_fp16(scale_codes[k]).view(np.float16).astype(np.float64)
         for got, nibble in ((even[k], _byte(words, k) & 0xF), (odd[k], _byte(words, k) >> 4)):
             value = _nvfp4_times_2_14(nibble).view(np.float16).astype(np.float64)
-            np.testing.assert_array_equal(got, _fp16_bits(value * scale))
+            np.testing.assert_array_equal(got, fp16_bits(value * scale))
 
 
 def test_nvfp4_value_quads_give_each_token_its_codes_times_its_scale():
@@ -124,7 +120,7 @@ def test_nvfp4_value_quads_give_each_token_its_codes_times_its_scale():
             nibble = ((quad >> np.uint64(4 * c)) & np.uint64(0xF)).astype(np.uint8)
             value = _nvfp4_times_2_14(nibble).view(np.float16).astype(np.float64)
             scale = _scale_fp16(codes).view(np.float16).astype(np.float64)
-            np.testing.assert_array_equal(got[token], _fp16_bits(value * scale))
+            np.testing.assert_array_equal(got[token], fp16_bits(value * scale))
 
 
 def test_nvfp4_lookup_picks_each_code_byte_of_its_table():
