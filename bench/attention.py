@@ -120,6 +120,54 @@ def table_attention(device, cfg: Config, timer: Timer, copy_gbps: float) -> Tabl
     return table
 
 
+RAGGED_SHAPE = (64, 8192)   # sequences, each one's table in tokens
+RAGGED_LENGTHS = {
+    "uniform": lambda rng, batch, capacity: [capacity] * batch,
+    "one long": lambda rng, batch, capacity: [capacity] + [min(512, capacity)] * (batch - 1),
+    "random": lambda rng, batch, capacity: rng.integers(1, capacity + 1, batch).tolist()}
+
+
+def table_attention_ragged(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
+    """Ragged batches: the same caches and tables, ``seq_lens`` changed on the device; the
+    shares balanced over ``seq_lens`` (the plan) against every sequence split alike (the
+    ``balance_seqs`` 0 schedule). Bytes: the pages the lengths name."""
+    import numpy as np
+
+    from fp8kv import attention
+    from .sweep import planned_with
+
+    mode = "graph" if timer.cuda else "eager"
+    batch, capacity = RAGGED_SHAPE if timer.cuda else CPU_SHAPES[0]
+    table = Table("attention_ragged", "Paged decode attention, ragged batches",
+                  f"{batch} sequences, block tables of {capacity} tokens each, lengths: all "
+                  f"{capacity} (uniform), one {capacity} among {min(512, capacity)}s (one long), "
+                  f"drawn from 1..{capacity} (random, seed 0); the Llama decode shape of the "
+                  "attention table; provider = format, and `uniform split` = every sequence "
+                  "split alike (the balancing off); bytes = the pages the lengths name. Time: "
+                  + ("one CUDA-graph replay." if timer.cuda else "eager calls on the CPU."),
+                  plot="bars")
+    backend = attention.CUDA if timer.cuda else attention.INTERPRET
+    for fmt in ("e4m3", "nvfp4") if timer.cuda else ("e4m3",):   # the CPU: a harness check
+        kw, nbytes = make_cache(batch, capacity, fmt, device)
+        per_token = nbytes / (batch * capacity)
+        out = torch.empty_like(kw["query"])
+        for name, lengths in RAGGED_LENGTHS.items():
+            lens = [int(n) for n in lengths(np.random.default_rng(0), batch, capacity)]
+            kw["seq_lens"] = torch.tensor(lens, dtype=torch.int32, device=device)
+            for provider, entries in ((fmt, {}), (f"{fmt} uniform split", {"balance_seqs": 0})):
+                with planned_with(attention.ATTENTION_SIZES, backend, **entries):
+                    timer.settle()
+                    us = timer.time(mode, [lambda: attend(kw, out)])
+                table.add(name, sum(lens), provider, mode, us, round(per_token * sum(lens)))
+            if fmt == "e4m3":
+                table.add_roofline(name, sum(lens), round(per_token * sum(lens)), copy_gbps)
+        del kw, out
+        free_memory()
+    if timer.cuda:
+        table.note(f"% of copy bandwidth: bytes / time / {copy_gbps:.0f} GB/s.")
+    return table
+
+
 def _dequantize_route(kw: dict, device):
     """dequantize_pages of every sequence's pages to bf16, then attention over them."""
     batch, pages = kw["block_table"].shape

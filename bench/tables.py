@@ -59,6 +59,10 @@ ENTRIES = (
     Entry("attention", "attention:table_attention", "torch",
           about="paged decode attention over every cache format, the dequantize route, and in "
                 "JAX against Pallas's GPU paged_attention"),
+    Entry("attention ragged", "attention:table_attention_ragged", "torch",
+          only=("attention_ragged", "attention"),
+          about="paged attention over ragged batches: shares balanced over seq_lens against "
+                "every sequence split alike"),
     Entry("eager", "eager:eager_tables", "torch",
           about="eager calls of fp8kv_torch against single-launch Triton anchors and an empty "
                 "kernel"),

@@ -82,10 +82,13 @@ class Geometry(NamedTuple):
 
 class Tiles(NamedTuple):
     """``block_m`` query rows (the MMAs' N) x ``warps * block_n`` tokens (their M) per step;
-    ``splits`` programs per row tile share the tokens; ``m_tiles`` row tiles per (sequence, kv
-    head); ``stages`` the token loop's software pipelining; ``peel``: the first tile is taken
-    before the loop, ``prefetch`` the tiles after it asked of L2, ``pdl`` the merge launched as
-    a dependent (see ``ATTENTION_SIZES``)."""
+    ``splits`` programs per row tile share the tokens (the plan's ``SPLITS``, SPEC 16.2);
+    ``m_tiles`` row tiles per (sequence, kv head); ``stages`` the token loop's software
+    pipelining; ``peel``: the first tile is taken before the loop, ``prefetch`` the tiles after
+    it asked of L2, ``pdl`` the merge launched as a dependent (see ``ATTENTION_SIZES``).
+    ``block_b`` > 0: the shares are balanced on the device over ``seq_lens`` (read as a block
+    of ``block_b``), at most ``split_cap`` per sequence, each at least ``min_share`` tokens;
+    ``merged``: some row tile may be split (partials and the merge kernel)."""
 
     block_m: int
     block_n: int
@@ -96,6 +99,10 @@ class Tiles(NamedTuple):
     peel: bool = False
     prefetch: int = 0
     pdl: bool = False
+    block_b: int = 0
+    split_cap: int = 1
+    min_share: int = 1
+    merged: bool = False
 
 
 class Options(NamedTuple):
@@ -159,21 +166,29 @@ class Constants(NamedTuple):
 # bytes (fp16 pairs out), instead of an unpacking asm and fp16 multiplies outside it, around
 # which Triton splits and rejoins every pair: fewer instructions per step in the sm_90 compile,
 # the same products. The interpreter has no asm: there it changes nothing.
+# ``balance_seqs``, ``balance_programs``: calls of up to ``balance_seqs`` sequences share their
+# tokens out on the device, from ``seq_lens`` (SPEC 16.2): about ``balance_programs`` more
+# programs than the split count gives are spread over the sequences by length, so that one long
+# sequence among short ones does not leave one program per kv head reading it alone. Extra
+# programs that a batch of equal lengths does not use return at once. Off on CUDA for now
+# (bench/NOTES.md, "Ragged batches": one long sequence among short ones 2.9-3.5x faster, but
+# NVFP4's equal lengths 30-38 % slower and e4m3's large batches 6-7 % slower, not yet
+# understood); the interpreter's row balances, so that CPU tests run it.
 _ONE_WARP_SPLIT_TO_1024 = dict(warps=1, split_below=1024, target_programs=1024,
-                               min_split_tokens=128, pow2_splits=False)
+                               balance_programs=1024, min_split_tokens=128, pow2_splits=False)
 ATTENTION_SIZES = {
     CUDA: dict(block_m=16, min_block_m=8, block_n=32, warps=2, stages=5, split_stages=5,
                split_below=512, target_programs=264, min_split_tokens=256, max_splits=64,
-               merge_rows=4, merge_warps=4, peel=True, prefetch=1, pdl=True, fuse_scale=True,
-               pow2_splits=True,
+               merge_rows=4, merge_warps=4, merge_splits=8, peel=True, prefetch=1, pdl=True,
+               fuse_scale=True, pow2_splits=True, balance_seqs=0, balance_programs=264,
                packed=dict(_ONE_WARP_SPLIT_TO_1024),   # (copies: a sweep changes one of them)
                plain=dict(stages=4, split_stages=4),
                blocked=dict(_ONE_WARP_SPLIT_TO_1024)),
     INTERPRET: dict(block_m=16, min_block_m=8, block_n=16, warps=2, stages=1, split_stages=1,
                     split_below=4, target_programs=4, min_split_tokens=16, max_splits=4,
-                    merge_rows=16, merge_warps=1, peel=True, prefetch=0, pdl=False,
-                    fuse_scale=True, pow2_splits=True, packed={}, plain={},
-                    blocked=dict(warps=1)),
+                    merge_rows=16, merge_warps=1, merge_splits=2, peel=True, prefetch=0,
+                    pdl=False, fuse_scale=True, pow2_splits=True, balance_seqs=64,
+                    balance_programs=4, packed={}, plain={}, blocked=dict(warps=1)),
 }
 PEELED_READS = (READ_FP8, READ_NVFP4, READ_MXFP8)
 # ``pdl``: the merge launched as a programmatic dependent of the attention grid (it waits for
@@ -452,13 +467,16 @@ def check_seq_lens_in_range(seq_lens, query_start_loc, pages_per_seq: int, page_
 
 @dataclass(frozen=True, eq=False)
 class AttentionPlan:
-    """The attention kernel's launch, and the merge's where the tokens are split
-    (``merge`` None: the attention kernel writes the output); the fp32 workspace's shapes."""
+    """The attention kernel's launch, and the merge's where the tokens may be split
+    (``merge`` None: the attention kernel writes the output); the fp32 workspace's shapes (the
+    partials, and each output row's first partial and share count, as int32 bits)."""
 
     attention: LaunchPlan
     merge: LaunchPlan | None
     partial_out: tuple[int, ...]
     partial_stats: tuple[int, ...]
+
+    partial_rows: tuple[int, ...]
 
     @property
     def empty(self) -> bool:
@@ -536,15 +554,17 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
     block_m = min(sizes["block_m"],
                   max(sizes["min_block_m"], triton.next_power_of_2(args.max_query_len * group)))
     m_tiles = -(-args.max_query_len * group // block_m)
-    programs = args.num_seqs * args.num_kv_heads * m_tiles
+    heads = args.num_kv_heads * m_tiles   # programs per slot
+    seqs = args.num_seqs
     warps = sizes["warps"]
     tile = warps * sizes["block_n"]
     max_context = args.block_table.shape[1] * kc.page_size
-    splits = splits_for(programs, max_context, tile, sizes)
+    splits = splits_for(seqs * heads, max_context, tile, sizes)
+    schedule = _schedule(seqs, heads, splits, sizes)
     query = args.query
     key_read = _reading(args, args.key_scale, d, sizes)
     peel = sizes["peel"] and key_read.kind in PEELED_READS
-    pdl = sizes["pdl"] and splits > 1 and PDL
+    pdl = sizes["pdl"] and schedule.merged and PDL
     consts = Constants(
         QueryRows(query.strides[0], query.strides[1]), _cache(args),
         key_read, _reading(args, args.value_scale, d, sizes, value=True),
@@ -552,7 +572,9 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
                  args.block_table.strides[1]),
         Tiles(block_m, sizes["block_n"], warps, splits, m_tiles,
               sizes["stages" if splits == 1 else "split_stages"], peel,
-              sizes["prefetch"] if peel and key_read.columns == COLUMNS_NONE else 0, pdl),
+              sizes["prefetch"] if peel and key_read.columns == COLUMNS_NONE else 0, pdl,
+              schedule.block_b, schedule.split_cap,
+              max(sizes["min_split_tokens"], tile), schedule.merged),
         Options(args.varlen, args.sliding_window is not None, args.logits_soft_cap is not None,
                 args.sinks, exact, int(OUT_KIND_OF_DTYPE[args.out_dtype]), backend == CUDA,
                 args.softmax_scale, float(args.logits_soft_cap or 1.0)))
@@ -560,19 +582,48 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
         key_scale_value=float(args.key_scale.value),
         value_scale_value=float(args.value_scale.value), window=int(args.sliding_window or 0),
         layer=0 if args.layers is None or args.layers.on_device else args.layers.index,
-        stride_table=args.block_table.strides[0])
-    grid = (programs, splits)
-    main = LaunchPlan(grid, warps, scalars, dict(C=consts),
+        stride_table=args.block_table.strides[0], num_seqs=seqs)
+    main = LaunchPlan((heads, schedule.slots), warps, scalars, dict(C=consts),
                       kernel="_paged_attention_kernel")
     rows = args.num_tokens * args.num_heads
-    if splits == 1:
-        return AttentionPlan(main, None, (0,), (0,))
+    if not schedule.merged:
+        return AttentionPlan(main, None, (0,), (0,), (0,))
     merge = LaunchPlan((-(-rows // sizes["merge_rows"]),), sizes["merge_warps"],
                        dict(num_rows=rows),
                        dict(C=consts, BLOCK_D=triton.next_power_of_2(d),
-                            BLOCK_S=triton.next_power_of_2(splits), ROWS=sizes["merge_rows"]),
+                            BLOCK_S=min(triton.next_power_of_2(schedule.split_cap),
+                                        sizes["merge_splits"]),
+                            ROWS=sizes["merge_rows"]),
                        kernel="_attention_merge_kernel", launch_pdl=pdl)
-    return AttentionPlan(main, merge, (rows, splits, d), (rows, splits, 2))
+    partials = schedule.slots * heads * block_m   # one per row of each program
+    return AttentionPlan(main, merge, (partials, d), (partials, 2), (rows, 2))
+
+
+class Schedule(NamedTuple):
+    """The programs of each (kv head, row tile) (``slots``), how the tokens are shared among
+    them (``block_b`` > 0: balanced over ``seq_lens`` on the device), the most shares of one
+    sequence, and whether any row tile may be split (SPEC 16.2)."""
+
+    slots: int
+    block_b: int
+    split_cap: int
+    merged: bool
+
+
+def _schedule(seqs: int, heads: int, splits: int, sizes: dict) -> Schedule:
+    """Up to ``balance_seqs`` sequences, the shares are balanced on the device: each sequence
+    has ``splits`` slots, and ``min(seqs - 1, balance_programs / heads)`` more are spread over
+    them in proportion to their lengths (a long sequence among short ones takes most of them);
+    ``seq_lens`` is read as a block of a power of four (few compiled variants)."""
+    if not 0 < seqs <= sizes["balance_seqs"] or heads == 0:
+        return Schedule(seqs * splits, 0, splits, splits > 1)
+    extra = min(seqs - 1, -(-sizes["balance_programs"] // heads))
+    slots = seqs * splits + extra
+    cap = max(splits, min(sizes["max_splits"], 1 + slots - seqs))
+    block_b = 16
+    while block_b < seqs:
+        block_b *= 4
+    return Schedule(slots, block_b, cap, cap > 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,8 +634,10 @@ PLACEHOLDER = "seq_lens"   # an int32 array every call has: the pointer of what 
 
 def attention_operands(args: AttentionArgs, plan: AttentionPlan | None = None) -> OperandMap:
     """``_paged_attention_kernel``'s arrays (read only, but the outputs): with ``plan``, the
-    output or the workspace marked unused (a split call writes the workspace only)."""
-    split = plan is not None and plan.merge is not None
+    output or the workspace marked unused (with a uniform split only the workspace is written;
+    a balanced one writes the rows of unsplit row tiles directly)."""
+    merged = plan is not None and plan.merge is not None
+    direct = not merged or _balanced(plan)
     kc, vc = ("kv_cache", "kv_cache") if args.combined else ("key_cache", "value_cache")
 
     def optional(param, source, used):
@@ -601,17 +654,29 @@ def attention_operands(args: AttentionArgs, plan: AttentionPlan | None = None) -
               optional("value_side_ptr", "value_scale_cache", vs.stored is not None),
               optional("sinks_ptr", "sinks", args.sinks),
               optional("layer_ptr", "layer", args.layers is not None and args.layers.on_device))
-    return OperandMap(inputs, (Operand("out_ptr", "out", used=not split),
-                               Operand("partial_out_ptr", "partial_out", used=split),
-                               Operand("partial_stats_ptr", "partial_stats", used=split)))
+    return OperandMap(inputs, (Operand("out_ptr", "out", used=direct),
+                               *(Operand(f"{n}_ptr", n, used=merged) for n in WORKSPACE)))
 
 
-def merge_operands(args: AttentionArgs) -> OperandMap:
-    return OperandMap((Operand("partial_out_ptr", "partial_out"),
-                       Operand("partial_stats_ptr", "partial_stats"),
+def merge_operands(args: AttentionArgs, plan: AttentionPlan) -> OperandMap:
+    """The merge's arrays. After a balanced attention grid the output is updated in place (the
+    rows that grid wrote stay), so ``out_ptr`` shares the buffer of ``written_ptr``, a
+    parameter the kernel never reads."""
+    balanced = _balanced(plan)
+    return OperandMap((*(Operand(f"{n}_ptr", n) for n in WORKSPACE),
                        Operand("sinks_ptr", "sinks" if args.sinks else "partial_stats",
-                               used=args.sinks)),
-                      (Operand("out_ptr", "out"),))
+                               used=args.sinks),
+                       Operand("written_ptr", "out" if balanced else "partial_stats",
+                               used=False)),
+                      (Operand("out_ptr", "out",
+                               aliases="written_ptr" if balanced else None),))
+
+
+def _balanced(plan: AttentionPlan) -> bool:
+    return plan.attention.constexprs["C"].tiles.block_b > 0
+
+
+WORKSPACE = ("partial_out", "partial_stats", "partial_rows")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -733,4 +798,4 @@ OP = Op(
     check_attention, attention_bounds, lambda args: {"out": (args.out_shape, args.out_dtype)},
     lambda args: args.num_tokens == 0, attention_operands,
     from_shapes(plan_attention), returns=("out",), splits=("h",),
-    reads=("seq_lens", "query_start_loc", "layer"), workspace=("partial_out", "partial_stats"))
+    reads=("seq_lens", "query_start_loc", "layer"), workspace=WORKSPACE)

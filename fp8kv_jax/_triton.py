@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8kv.arrays import ArrayInfo
-from fp8kv.attention import attention_operands, merge_operands, plan_attention
+from fp8kv.attention import WORKSPACE, attention_operands, merge_operands, plan_attention
 from fp8kv.binding import bind
 from fp8kv.operands import OperandMap
 from fp8kv.optable import OPS
@@ -134,11 +134,10 @@ def _paged_attention(given: dict, *, args) -> dict:
 
     plan = plan_attention(args, CUDA)   # two kernels where the tokens are split
     new = {"out": jax.ShapeDtypeStruct(args.out_shape, jnp.dtype(args.out_dtype)),
-           "partial_out": jax.ShapeDtypeStruct(plan.partial_out, jnp.float32),
-           "partial_stats": jax.ShapeDtypeStruct(plan.partial_stats, jnp.float32)}
+           **{n: jax.ShapeDtypeStruct(getattr(plan, n), jnp.float32) for n in WORKSPACE}}
     written = _launch(ops._paged_attention_kernel, plan.attention,
                       attention_operands(args, plan), given, new)
-    if plan.merge is not None:
-        written = _launch(ops._attention_merge_kernel, plan.merge, merge_operands(args),
+    if plan.merge is not None:   # (its output aliases the attention grid's where that wrote rows)
+        written = _launch(ops._attention_merge_kernel, plan.merge, merge_operands(args, plan),
                           {**given, **written}, new)
     return {"out": written["out"]}

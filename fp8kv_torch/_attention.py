@@ -30,7 +30,7 @@ class _Ready:
         self.args, self.plan = args, plan
         self.launches = []
         for kernel_plan, operands in ((plan.attention, attention_operands(args, plan)),
-                                      (plan.merge, merge_operands(args))):
+                                      (plan.merge, merge_operands(args, plan))):
             if kernel_plan is not None:
                 kernel = getattr(ops, kernel_plan.kernel)
                 launcher = ops.kernel_for(kernel, backend == INTERPRET)[kernel_plan.grid]

@@ -13,6 +13,7 @@ import re
 import numpy as np
 import pytest
 import triton
+import triton.language as tl
 
 torch = pytest.importorskip("torch")
 
@@ -20,6 +21,8 @@ import fp8kv_torch  # noqa: E402
 from fp8kv import attention  # noqa: E402
 from fp8kv.attention import ATTENTION_SIZES, error_bound, plan_attention, splits_for  # noqa: E402
 from fp8kv.attention import paged_attention as reference_attention  # noqa: E402
+from fp8kv.ops._dual import jit  # noqa: E402
+from fp8kv.ops.paged_attention import balanced_share  # noqa: E402
 from fp8kv.plan import CUDA, INTERPRET  # noqa: E402
 from fp8kv_torch import _attention  # noqa: E402
 from tests.attention_cases import (NOTHING_TO_READ, RANDOM_CASES, AttentionCase,  # noqa: E402
@@ -259,12 +262,18 @@ def test_gpu_torch_compile_fullgraph():
     within_bound(compiled(call), c)
 
 
-@pytest.mark.parametrize("seq_lens", [(40, 3), (200,)], ids=["unsplit", "split"])
+@pytest.mark.parametrize("seq_lens", [(20,), (40, 3), (200,)],
+                         ids=["unsplit", "balanced", "split"])
 @pytest.mark.parametrize("warps", [1, 4])
 def test_other_warp_counts_merge_their_states(warps, seq_lens, device, monkeypatch):
     """The size tables use two warps (their states summed in one exchange); other counts take
-    the generic merge of the warps' states: split and unsplit calls stay within the bound."""
-    monkeypatch.setitem(ATTENTION_SIZES[INTERPRET if device == "cpu" else CUDA], "warps", warps)
+    the generic merge of the warps' states: unsplit calls (no merge kernel), balanced ones and
+    split ones stay within the bound."""
+    sizes = ATTENTION_SIZES[INTERPRET if device == "cpu" else CUDA]
+    monkeypatch.setitem(sizes, "warps", warps)
+    monkeypatch.setitem(sizes, "balance_seqs", 64 if seq_lens == (40, 3) else 0)
+    if seq_lens == (20,):
+        monkeypatch.setitem(sizes, "split_below", 0)
     case = AttentionCase(seq_lens=seq_lens, head_dim=32, page_size=8, scale="token_head")
     call, c = call_of(case, device)
     _attention.clear()
@@ -272,7 +281,9 @@ def test_other_warp_counts_merge_their_states(warps, seq_lens, device, monkeypat
         within_bound(attend(call), c)
         plan = next(iter(_attention._READY.values())).plan
         assert plan.attention.constexprs["C"].tiles.warps == warps
-        assert (plan.merge is None) == (len(seq_lens) == 2 or device != "cpu")
+        assert (plan.merge is None) == (seq_lens == (20,) or (device != "cpu" and
+                                                               seq_lens == (200,)))
+        assert (plan.attention.constexprs["C"].tiles.block_b > 0) == (seq_lens == (40, 3))
     finally:
         monkeypatch.undo()
         _attention.clear()
@@ -337,8 +348,15 @@ def test_dependent_launch_is_planned_for_split_calls_only(monkeypatch):
         monkeypatch.setattr(attention, "PDL", pdl)
         plan_attention.cache_clear()
         split, whole = plan_of((2000,)), plan_of((3,) * 600)
-        assert split.merge.launch_pdl == split.attention.constexprs["C"].tiles.pdl == pdl
         assert whole.merge is None and not whole.attention.constexprs["C"].tiles.pdl
+        monkeypatch.setitem(ATTENTION_SIZES[CUDA], "balance_seqs", 1024)
+        plan_attention.cache_clear()
+        balanced = plan_of((3,) * 600)   # balanced on the device: merged, whatever the lengths
+        for plan in (split, balanced):
+            assert plan.merge.launch_pdl == plan.attention.constexprs["C"].tiles.pdl == pdl
+        monkeypatch.undo()
+        monkeypatch.setattr(attention, "PDL", pdl)
+        plan_attention.cache_clear()
     plan_attention.cache_clear()
 
 
@@ -426,7 +444,8 @@ def test_plan_nvfp4_llama_decode_one_warp_programs_split_to_1024(seqs, context, 
     arrays["block_table"] = ArrayInfo.contiguous((seqs, context // 16), "int32", "cuda:0")
     plan = plan_attention(check_attention(**arrays), CUDA)
     assert plan.attention.num_warps == 1
-    assert plan.attention.grid == (seqs * 8, splits)
+    assert plan.attention.constexprs["C"].tiles.splits == splits
+    assert plan.attention.grid == (8, seqs * splits)   # (kv heads, a slot per share)
     assert (plan.merge is None) == (splits == 1)
 
 
@@ -447,7 +466,9 @@ def test_a_three_way_split_merges_in_split_order(device, monkeypatch):
         out = attend(call)
         within_bound(out, c)
         plan = next(iter(_attention._READY.values())).plan
-        assert plan.attention.grid == (1, 3) and plan.merge.constexprs["BLOCK_S"] == 4
+        # (the merge reads blocks of merge_splits shares: the interpreter's 2, two blocks)
+        assert plan.attention.grid == (1, 3)
+        assert plan.merge.constexprs["BLOCK_S"] == min(4, sizes["merge_splits"])
         assert torch.equal(attend(call).view(torch.int16), out.view(torch.int16))
     finally:
         monkeypatch.undo()
@@ -613,7 +634,8 @@ def _compile_attention(arrays):
 
 def _dtypes(arrays, args) -> dict:
     dtypes = {n: a.dtype for n, a in arrays.items() if hasattr(a, "dtype")}
-    dtypes.update(out=args.out_dtype, partial_out="float32", partial_stats="float32")
+    dtypes.update(out=args.out_dtype, partial_out="float32", partial_stats="float32",
+                  partial_rows="float32")
     if args.layers is not None and "layer" not in dtypes:
         dtypes["layer"] = "int32"
     return dtypes
@@ -672,9 +694,98 @@ def test_kernels_compile_for_sm90(name, arrays):
     if name == "e4m3":
         assert tiles.prefetch == ATTENTION_SIZES[CUDA]["prefetch"]
     if plan.merge is not None:
-        merge = merge_operands(args)
+        merge = merge_operands(args, plan)
         merged = compile_for_hopper(ops._attention_merge_kernel,
                                     {o.param: dtypes[o.source] for o in merge.params}, plan.merge)
         # A dependent launch waits for the attention grid inside the merge.
         assert ("griddepcontrol.wait" in merged.asm["ptx"]) == plan.merge.launch_pdl
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The balanced schedule (SPEC 16.2): the kernel's own helper, run by the interpreter, against
+# the spec's formula in NumPy.
+
+def _spec_shares(seq_lens, slots, cap, min_share, span=None):
+    n = np.maximum(np.asarray(seq_lens, np.int64), 0)
+    if span is not None:
+        n = np.minimum(n, span)
+    extra = slots - len(n)
+    return np.minimum(np.minimum(1 + n * extra // max(int(n.sum()), 1), cap),
+                      np.maximum(n // min_share, 1))
+
+
+@jit
+def _shares_kernel(seq_lens_ptr, out_ptr, num_seqs, window, C: tl.constexpr):
+    slot = tl.program_id(1)
+    b, split, splits, seq_len = balanced_share(seq_lens_ptr, slot, num_seqs, window, C)
+    at = out_ptr + slot * 4
+    tl.store(at, b)
+    tl.store(at + 1, split)
+    tl.store(at + 2, splits)
+    tl.store(at + 3, seq_len)
+
+
+def _kernel_shares(seq_lens, slots, tiles, window=None, group=4):
+    """``[slots, 4]``: ``(b, split, splits, seq_len)`` of each slot, as the attention kernel's
+    :func:`~fp8kv.ops.paged_attention.balanced_share` finds them."""
+    from types import SimpleNamespace as NS
+
+    from fp8kv import ops
+
+    C = NS(geometry=NS(group=group), tiles=tiles, options=NS(window=window is not None))
+    out = torch.full((slots, 4), -1, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ops.interpreted(_shares_kernel)[(1, slots)](lens, out, len(seq_lens), window or 0, C=C)
+    return out.numpy()
+
+
+@pytest.mark.parametrize("seq_lens, splits, extra, window", [
+    ((8192,) + (512,) * 63, 1, 33, None), ((4096,) * 32, 4, 31, None),
+    ((5000, 0, 1, 77, 3000, 129), 2, 5, None), ((9000, 100, 40000), 1, 2, 1000),
+    (tuple(int(n) for n in np.random.default_rng(3).integers(0, 9000, 20)), 1, 13, None)],
+    ids=["one-long", "uniform", "ragged-with-empty", "window", "random"])
+def test_balanced_shares_follow_the_spec(seq_lens, splits, extra, window):
+    """Each slot names the sequence and share that the spec's formula gives, sequences in order,
+    each share once; the slots left over name none; a batch of equal lengths gets the plan's
+    split count, and a long sequence among short ones most of the extra slots."""
+    from types import SimpleNamespace as NS
+    seqs = len(seq_lens)
+    slots = seqs * splits + extra
+    block_b = 16
+    while block_b < seqs:
+        block_b *= 4
+    tiles = NS(block_b=block_b, m_tiles=1, block_m=8, split_cap=64, min_share=256)
+    got = _kernel_shares(seq_lens, slots, tiles, window)
+    want = _spec_shares(seq_lens, slots, 64, 256, None if window is None else window + 8 // 4)
+    assert want.sum() <= slots
+    expect = [(b, k, want[b], seq_lens[b]) for b in range(seqs) for k in range(want[b])]
+    np.testing.assert_array_equal(got[:len(expect)], np.array(expect, np.int64).reshape(-1, 4))
+    assert (got[len(expect):, 0] >= seqs).all()
+    if len(set(seq_lens)) == 1:
+        assert (want == splits).all()
+    if seq_lens[0] == 8192:
+        assert want[0] == 7 and (want[1:] == 1).all()   # (1 + 8192 * 33 // 40448)
+
+
+@pytest.mark.parametrize("cache", ["e4m3", "nvfp4", "bfloat16"])
+def test_a_balanced_ragged_batch_reads_within_the_bound(cache, device, monkeypatch):
+    """The balanced schedule on a ragged batch (one long sequence, empty and one-token ones,
+    a sliding window on the GPU): within the bound, and the same bytes on a second call."""
+    sizes = ATTENTION_SIZES[INTERPRET if device == "cpu" else CUDA]
+    monkeypatch.setitem(sizes, "balance_seqs", 64)
+    lens = (300, 0, 1, 37, 5) if device == "cpu" else (6000, 0, 1, 129, 700, 33, 2048, 64)
+    case = AttentionCase(cache=cache, seq_lens=lens, head_dim=64, page_size=16,
+                         window=None if device == "cpu" else 1500)
+    call, c = call_of(case, device)
+    _attention.clear()
+    try:
+        out = attend(call)
+        plan = next(iter(_attention._READY.values())).plan
+        assert plan.attention.constexprs["C"].tiles.block_b > 0 and plan.merge is not None
+        within_bound(out, c)
+        again = attend(call)
+        assert (out.view(torch.int16) == again.view(torch.int16)).all()
+    finally:
+        monkeypatch.undo()
+        _attention.clear()

@@ -65,8 +65,8 @@ def test_registry_entries():
     assert all(e.kind in KINDS and ":" in e.build for e in ENTRIES)
     assert all(e.needs for e in ENTRIES if e.kind == "jax-rows")
     assert list(only_names()) == ["write", "variants", "small", "rope", "nvfp4", "dequant",
-                                  "dynamic", "attention", "eager", "sweep",
-                                  "attention_sweep", "accuracy", "jax", "jax_layers"]
+                                  "dynamic", "attention", "attention_ragged", "eager",
+                                  "sweep", "attention_sweep", "accuracy", "jax", "jax_layers"]
     assert [e.name for e in select({"write"}, cuda=False)] == ["write", "variants"]
     assert [e.name for e in select({"dequant"}, cuda=False)] == ["dequant", "jax dequant rows"]
     assert not {"sweep", "attention sweep"} & {e.name for e in select(None, cuda=False)}

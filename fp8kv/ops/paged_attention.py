@@ -1,14 +1,16 @@
 """Paged decode attention over every fp8kv cache format (docs/SPEC.md section 16).
 
-Grid ``(num_seqs * num_kv_heads * M_TILES, SPLITS)``. Program ``((b * Hkv + h) * M_TILES + m,
-split)`` takes sequence ``b``'s query rows ``m * BLOCK_M ...`` of kv head ``h`` -- row ``r`` is
-query token ``r // GROUP`` of the sequence and query head ``h * GROUP + r % GROUP``, so a GQA
-group shares every K/V tile it reads -- and the ``split``-th share of the tokens those rows see.
+Grid ``(num_kv_heads * M_TILES, SLOTS)``. Program ``(h * M_TILES + m, slot)`` takes, of the
+sequence ``b`` and the share ``split`` that ``slot`` stands for (sequences take consecutive
+slots, one per share: ``SPLITS`` each, or balanced over ``seq_lens`` on the device:
+:func:`balanced_share`), query rows ``m * BLOCK_M ...`` of kv head ``h`` -- row ``r`` is query
+token ``r // GROUP`` of the sequence and query head ``h * GROUP + r % GROUP``, so a GQA group
+shares every K/V tile it reads -- and the ``split``-th share of the tokens those rows see.
 Its ``W`` warps each take ``BLOCK_N`` consecutive tokens of a ``W * BLOCK_N`` tile (a batch of
 ``W`` dots: no warp waits for another inside the loop) and keep their own online softmax; the
 program merges them at the end. The tokens are the MMAs' M dimension and the query rows their N
-(scores K Q^T, the output's transpose V^T P^T: :func:`attend_tile`). A program whose tokens are
-all one split writes the output; otherwise it writes fp32 partials (``acc``, row max, row sum)
+(scores K Q^T, the output's transpose V^T P^T: :func:`attend_tile`). A program whose rows see
+one share writes the output; otherwise it writes fp32 partials (``acc``, row max, row sum)
 that :func:`_attention_merge_kernel` combines in split order, so a call gives the same bytes
 every time (with the plan's ``pdl`` that kernel is launched as a programmatic dependent of this
 grid and waits for it inside).
@@ -724,12 +726,39 @@ def warps_sum(x, WARPS: tl.constexpr):
     return s
 
 
-@jit(do_not_specialize=["layer", "window", "stride_table"])
+@jit
+def balanced_share(seq_lens_ptr, slot, num_seqs, window, C: tl.constexpr):
+    """``(b, split, splits, seq_len)``: the sequence whose share ``slot`` reads (``b >=
+    num_seqs`` past the last share), which of its ``splits`` shares, and its length. Each
+    sequence has one slot and a part of the others in proportion to its length ``n``, at most
+    the plan's cap and ``n / min_share`` (SPEC 16.2); sequences take consecutive slots."""
+    G: tl.constexpr = C.geometry
+    T: tl.constexpr = C.tiles
+    idx = tl.arange(0, T.block_b)
+    lens = tl.load(seq_lens_ptr + idx, mask=idx < num_seqs, other=0)
+    n = tl.maximum(lens, 0)
+    if C.options.window:   # what a row tile can see: the window and the rows' own span
+        n = tl.minimum(n, window + T.m_tiles * T.block_m // G.group)
+    n = n.to(tl.int64)
+    total = tl.maximum(tl.reduce(n, 0, _sum_combine), 1)
+    extra = tl.num_programs(1) - num_seqs
+    splits = tl.minimum(tl.minimum(1 + n * extra // total, T.split_cap),
+                        tl.maximum(n // T.min_share, 1))
+    splits = tl.where(idx < num_seqs, splits, 0).to(tl.int32)
+    after = tl.associative_scan(splits, 0, _sum_combine)
+    b = tl.reduce((after <= slot).to(tl.int32), 0, _sum_combine)
+    mine = idx == b
+    first = tl.reduce(tl.where(mine, after - splits, 0), 0, _sum_combine)
+    return (b, slot - first, tl.reduce(tl.where(mine, splits, 0), 0, _sum_combine),
+            tl.reduce(tl.where(mine, lens, 0), 0, _sum_combine))
+
+
+@jit(do_not_specialize=["layer", "window", "stride_table", "num_seqs"])
 def _paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr,
     key_scale_ptr, value_scale_ptr, key_side_ptr, value_side_ptr, sinks_ptr, layer_ptr,
-    key_scale_value, value_scale_value, window, layer, stride_table,
-    out_ptr, partial_out_ptr, partial_stats_ptr,
+    key_scale_value, value_scale_value, window, layer, stride_table, num_seqs,
+    out_ptr, partial_out_ptr, partial_stats_ptr, partial_rows_ptr,
     C: tl.constexpr,
 ):
     Q: tl.constexpr = C.query
@@ -743,12 +772,18 @@ def _paged_attention_kernel(
     OPT: tl.constexpr = C.options
     if T.pdl and OPT.pipelined:   # the merge may be launched now: it waits for this grid's end
         gdc_launch_dependents()
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    m_tile = pid % T.m_tiles
-    bh = pid // T.m_tiles
-    b = bh // G.num_kv_heads
-    h = bh % G.num_kv_heads
+    hm = tl.program_id(0)
+    slot = tl.program_id(1)
+    m_tile = hm % T.m_tiles
+    h = hm // T.m_tiles
+    if T.block_b > 0:
+        b, split, splits, seq_len = balanced_share(seq_lens_ptr, slot, num_seqs, window, C)
+        if b >= num_seqs:   # a slot this call's lengths leave unused
+            return
+    else:
+        b = slot // T.splits
+        split = slot % T.splits
+        splits = T.splits
     if OPT.varlen:
         q_first = tl.load(query_start_ptr + b)
         q_len = tl.load(query_start_ptr + b + 1) - q_first
@@ -765,7 +800,8 @@ def _paged_attention_kernel(
     q_raw = load_query(query_ptr, q_token, q_head, row_ok, Q, R_K, OPT.exact)
     k_static = static_scale(key_scale_ptr, key_scale_value, h, R_K.scale)
     v_static = static_scale(value_scale_ptr, value_scale_value, h, R_V.scale)
-    seq_len = tl.load(seq_lens_ptr + b)
+    if T.block_b == 0:
+        seq_len = tl.load(seq_lens_ptr + b)
     if CACHE.LAYER_KIND != LAYER_NONE:   # stacked caches: move to the call's layer
         layer, seq_len = select_layer(layer_ptr, layer, seq_len, KIND=CACHE.LAYER_KIND,
                                       NUM_LAYERS=CACHE.NUM_LAYERS)
@@ -776,7 +812,7 @@ def _paged_attention_kernel(
         if R_V.side:
             value_side_ptr = at_layer(value_side_ptr, layer, VALUE, True)
     pos = seq_len - q_len + i                    # each row's position in the sequence
-    # The tokens these rows see: [lo, hi), split into SPLITS shares of whole tiles.
+    # The tokens these rows see: [lo, hi), split into ``splits`` shares of whole tiles.
     i_first = (m_tile * T.block_m) // G.group
     i_end = tl.minimum(q_len, (m_tile * T.block_m + T.block_m + G.group - 1) // G.group)
     hi = tl.maximum(seq_len - q_len + i_end, 0)
@@ -786,7 +822,7 @@ def _paged_attention_kernel(
         lo = 0
     hi = tl.where(i_end > i_first, hi, lo)
     TILE: tl.constexpr = T.warps * T.block_n
-    share = ((tl.maximum(hi - lo, 0) + T.splits - 1) // T.splits + TILE - 1) // TILE * TILE
+    share = ((tl.maximum(hi - lo, 0) + splits - 1) // splits + TILE - 1) // TILE * TILE
     start = lo + split * share
     end = tl.minimum(start + share, hi)
     last = tl.maximum(hi - 1, 0)
@@ -901,14 +937,25 @@ def _paged_attention_kernel(
     q_row = (q_first + i).to(tl.int64) * G.num_heads + h * G.group + rows % G.group
     d = tl.arange(0, R_V.block_d)
     d_ok = d < R_V.head_dim
-    if T.splits == 1:
-        finish(o, m_all, l_all, q_row, row_ok, d, d_ok, sinks_ptr, out_ptr, C)
-    else:
-        part = q_row * T.splits + split
+    if T.merged:
+        # Partial ``(slot * programs_per_slot + hm) * BLOCK_M + r`` for row r of the tile; the
+        # first share tells the merge where its row's partials start and how many there are
+        # (one: written here).
+        SLOT_PARTIALS: tl.constexpr = G.num_kv_heads * T.m_tiles * T.block_m
+        part = (slot.to(tl.int64) * SLOT_PARTIALS + hm * T.block_m
+                + tl.arange(0, T.block_m))
+        index = partial_rows_ptr.to(tl.pointer_type(tl.int32)) + q_row * 2
+        tl.store(index, part.to(tl.int32), mask=row_ok & (split == 0))
+        tl.store(index + 1, tl.full([T.block_m], 0, tl.int32) + splits,
+                 mask=row_ok & (split == 0))
+        split_rows = row_ok & (splits > 1)
         tl.store(partial_out_ptr + part[:, None] * R_V.head_dim + d[None, :], o,
-                 mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(partial_stats_ptr + part * 2, m_all, mask=row_ok)
-        tl.store(partial_stats_ptr + part * 2 + 1, l_all, mask=row_ok)
+                 mask=split_rows[:, None] & d_ok[None, :])
+        tl.store(partial_stats_ptr + part * 2, m_all, mask=split_rows)
+        tl.store(partial_stats_ptr + part * 2 + 1, l_all, mask=split_rows)
+        finish(o, m_all, l_all, q_row, row_ok & (splits == 1), d, d_ok, sinks_ptr, out_ptr, C)
+    else:
+        finish(o, m_all, l_all, q_row, row_ok, d, d_ok, sinks_ptr, out_ptr, C)
 
 
 @jit
@@ -932,11 +979,12 @@ def finish(o, m, l, q_row, row_ok, d, d_ok, sinks_ptr, out_ptr, C: tl.constexpr)
 
 
 @jit(do_not_specialize=["num_rows"])
-def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, sinks_ptr, num_rows, out_ptr,
-                            C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                            ROWS: tl.constexpr):
-    """Combine the SPLITS partials of ``ROWS`` output rows (token, query head) per program, in
-    split order."""
+def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, partial_rows_ptr, sinks_ptr,
+                            written_ptr, num_rows, out_ptr, C: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ROWS: tl.constexpr):
+    """Combine the partials of ``ROWS`` output rows (token, query head) per program, in split
+    order; a row of one share is left as the attention grid wrote it (``written_ptr``, never
+    read: the buffer ``out_ptr`` shares, so that an aliasing frontend keeps those rows)."""
     G: tl.constexpr = C.geometry
     T: tl.constexpr = C.tiles
     if T.pdl and C.options.pipelined:   # launched before the attention grid ended: wait for it
@@ -944,18 +992,40 @@ def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, sinks_ptr, num_r
     q_row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = q_row < num_rows
     q_row = tl.where(row_ok, q_row, 0).to(tl.int64)
+    index = partial_rows_ptr.to(tl.pointer_type(tl.int32)) + q_row * 2
+    first = tl.load(index, mask=row_ok, other=0).to(tl.int64)
+    count = tl.load(index + 1, mask=row_ok, other=1)
+    row_ok = row_ok & (count > 1)
+    # Each row's largest partial max first, then its partials weighted and summed: both over
+    # blocks of BLOCK_S shares in split order (a call of at most BLOCK_S shares per row takes
+    # one block: its partials' round trips overlap; a block of every share's [ROWS, D] partials
+    # at the plan's cap would not fit in registers).
+    SLOT_PARTIALS: tl.constexpr = G.num_kv_heads * T.m_tiles * T.block_m
     s = tl.arange(0, BLOCK_S)
-    part = q_row[:, None] * T.splits + s[None, :]                            # [ROWS, BLOCK_S]
-    ok = row_ok[:, None] & (s < T.splits)[None, :]
-    m = tl.load(partial_stats_ptr + part * 2, mask=ok, other=_NEG_INF)
-    l = tl.load(partial_stats_ptr + part * 2 + 1, mask=ok, other=0.0)
-    top = tl.reduce(m, 1, max_combine)
+    shares = tl.reduce(tl.where(row_ok, count, 0), 0, max_combine)
+    top = tl.full([ROWS], _NEG_INF, tl.float32)
+    k = 0
+    while k < shares:
+        part = first[:, None] + (k + s[None, :]) * SLOT_PARTIALS            # [ROWS, BLOCK_S]
+        ok = row_ok[:, None] & (k + s[None, :] < count[:, None])
+        m = tl.load(partial_stats_ptr + part * 2, mask=ok, other=_NEG_INF)
+        top = tl.maximum(top, tl.reduce(m, 1, max_combine))
+        k += BLOCK_S
     top_use = tl.where(top == _NEG_INF, 0.0, top)
-    weight = tl.math.exp2(m - top_use[:, None])                             # 0 for empty splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < G.head_dim
-    parts = tl.load(partial_out_ptr + part[:, :, None] * G.head_dim + d[None, None, :],
-                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
-    o = tl.reduce(parts * weight[:, :, None], 1, _sum_combine)
-    finish(o, top, tl.reduce(l * weight, 1, _sum_combine), q_row, row_ok, d, d_ok, sinks_ptr,
-           out_ptr, C)
+    o = tl.full([ROWS, BLOCK_D], 0.0, tl.float32)
+    l = tl.full([ROWS], 0.0, tl.float32)
+    k = 0
+    while k < shares:
+        part = first[:, None] + (k + s[None, :]) * SLOT_PARTIALS
+        ok = row_ok[:, None] & (k + s[None, :] < count[:, None])
+        m = tl.load(partial_stats_ptr + part * 2, mask=ok, other=_NEG_INF)
+        weight = tl.math.exp2(m - top_use[:, None])                         # 0 for empty shares
+        l += tl.reduce(tl.load(partial_stats_ptr + part * 2 + 1, mask=ok, other=0.0) * weight,
+                       1, _sum_combine)
+        parts = tl.load(partial_out_ptr + part[:, :, None] * G.head_dim + d[None, None, :],
+                        mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
+        o += tl.reduce(parts * weight[:, :, None], 1, _sum_combine)
+        k += BLOCK_S
+    finish(o, top, l, q_row, row_ok, d, d_ok, sinks_ptr, out_ptr, C)
