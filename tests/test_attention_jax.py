@@ -5,6 +5,8 @@ over kv heads on host devices; on the GPU, torch's bytes and no copy of a cache.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -297,3 +299,51 @@ def test_bad_inputs_raise_torch_messages(change, match):
     change(call)
     with pytest.raises((ValueError, TypeError), match=match):
         attend(call)
+
+
+BALANCED_CASE = AttentionCase(seq_lens=(700, 3, 0, 40, 1), head_dim=32, page_size=16,
+                              num_heads=4, num_kv_heads=2)
+
+
+@contextlib.contextmanager
+def _balanced():
+    """The balanced schedule (SPEC 16.2) forced on in the CUDA plan, every plan and jitted
+    launch made under it forgotten afterwards."""
+    from fp8kv.attention import ATTENTION_SIZES, plan_attention
+    from fp8kv.plan import CUDA
+    from fp8kv_jax import _triton
+
+    saved = ATTENTION_SIZES[CUDA]["balance_seqs"]
+    ATTENTION_SIZES[CUDA]["balance_seqs"] = 64
+    plan_attention.cache_clear()
+    _triton._paged_attention.clear_cache()
+    try:
+        yield
+    finally:
+        ATTENTION_SIZES[CUDA]["balance_seqs"] = saved
+        plan_attention.cache_clear()
+        _triton._paged_attention.clear_cache()
+
+
+@pytest.mark.parametrize("cache", ["e4m3", "nvfp4"])
+def test_balanced_shares_through_the_gpu_launch_code(cache, monkeypatch):
+    """Balanced shares: the rows of one share that the attention grid writes stay through the
+    merge (its output aliased to the grid's), the split rows are merged."""
+    jax_glue.use_interpreted_gpu_path(monkeypatch)
+    c = build(dataclasses.replace(BALANCED_CASE, cache=cache))
+    with _balanced():
+        within_bound(attend(c["call"]), c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu(), reason="needs JAX on an NVIDIA GPU (runs in the GPU suite)")
+def test_gpu_balanced_shares_give_torch_bytes():
+    from fp8kv_torch import _attention
+    with _balanced():
+        _attention.clear()
+        try:
+            test_gpu_gives_torch_bytes(dataclasses.replace(
+                BALANCED_CASE, seq_lens=(6000, 3, 0, 400, 1, 2000), head_dim=128, num_heads=32,
+                num_kv_heads=8))
+        finally:
+            _attention.clear()
