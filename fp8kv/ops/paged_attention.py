@@ -944,16 +944,19 @@ def _paged_attention_kernel(
         SLOT_PARTIALS: tl.constexpr = G.num_kv_heads * T.m_tiles * T.block_m
         part = (slot.to(tl.int64) * SLOT_PARTIALS + hm * T.block_m
                 + tl.arange(0, T.block_m))
+        # (the program's scalars as row vectors: a mask is a vector of booleans)
+        row_splits = tl.full([T.block_m], 0, tl.int32) + splits
+        first_share = row_ok & (tl.full([T.block_m], 0, tl.int32) + split == 0)
         index = partial_rows_ptr.to(tl.pointer_type(tl.int32)) + q_row * 2
-        tl.store(index, part.to(tl.int32), mask=row_ok & (split == 0))
-        tl.store(index + 1, tl.full([T.block_m], 0, tl.int32) + splits,
-                 mask=row_ok & (split == 0))
-        split_rows = row_ok & (splits > 1)
+        tl.store(index, part.to(tl.int32), mask=first_share)
+        tl.store(index + 1, row_splits, mask=first_share)
+        split_rows = row_ok & (row_splits > 1)
         tl.store(partial_out_ptr + part[:, None] * R_V.head_dim + d[None, :], o,
                  mask=split_rows[:, None] & d_ok[None, :])
         tl.store(partial_stats_ptr + part * 2, m_all, mask=split_rows)
         tl.store(partial_stats_ptr + part * 2 + 1, l_all, mask=split_rows)
-        finish(o, m_all, l_all, q_row, row_ok & (splits == 1), d, d_ok, sinks_ptr, out_ptr, C)
+        finish(o, m_all, l_all, q_row, row_ok & (row_splits == 1), d, d_ok, sinks_ptr, out_ptr,
+               C)
     else:
         finish(o, m_all, l_all, q_row, row_ok, d, d_ok, sinks_ptr, out_ptr, C)
 
