@@ -475,12 +475,16 @@ class AttentionPlan:
     merge: LaunchPlan | None
     partial_out: tuple[int, ...]
     partial_stats: tuple[int, ...]
-
     partial_rows: tuple[int, ...]
 
     @property
     def empty(self) -> bool:
         return self.attention.empty
+
+    @property
+    def balanced(self) -> bool:
+        """The shares are balanced over ``seq_lens`` on the device (SPEC 16.2)."""
+        return self.attention.constexprs["C"].tiles.block_b > 0
 
 
 def _cache(args: AttentionArgs) -> Cache:
@@ -637,7 +641,7 @@ def attention_operands(args: AttentionArgs, plan: AttentionPlan | None = None) -
     output or the workspace marked unused (with a uniform split only the workspace is written;
     a balanced one writes the rows of unsplit row tiles directly)."""
     merged = plan is not None and plan.merge is not None
-    direct = not merged or _balanced(plan)
+    direct = not merged or plan.balanced
     kc, vc = ("kv_cache", "kv_cache") if args.combined else ("key_cache", "value_cache")
 
     def optional(param, source, used):
@@ -662,7 +666,7 @@ def merge_operands(args: AttentionArgs, plan: AttentionPlan) -> OperandMap:
     """The merge's arrays. After a balanced attention grid the output is updated in place (the
     rows that grid wrote stay), so ``out_ptr`` shares the buffer of ``written_ptr``, a
     parameter the kernel never reads."""
-    balanced = _balanced(plan)
+    balanced = plan.balanced
     return OperandMap((*(Operand(f"{n}_ptr", n) for n in WORKSPACE),
                        Operand("sinks_ptr", "sinks" if args.sinks else "partial_stats",
                                used=args.sinks),
@@ -670,10 +674,6 @@ def merge_operands(args: AttentionArgs, plan: AttentionPlan) -> OperandMap:
                                used=False)),
                       (Operand("out_ptr", "out",
                                aliases="written_ptr" if balanced else None),))
-
-
-def _balanced(plan: AttentionPlan) -> bool:
-    return plan.attention.constexprs["C"].tiles.block_b > 0
 
 
 WORKSPACE = ("partial_out", "partial_stats", "partial_rows")
