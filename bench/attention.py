@@ -22,7 +22,7 @@ from .results import Table
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 GPU_SHAPES = ((1, 8192), (8, 4096), (32, 4096), (64, 2048), (64, 8192), (256, 1024))
 CPU_SHAPES = ((2, 16),)
-FORMATS = ("e4m3", "bf16", "e4m3 token-head", "nvfp4", "mxfp8")
+FORMATS = ("e4m3", "bf16", "e4m3 token-head", "nvfp4", "mxfp8", "e5m2")
 
 
 def shapes(cfg: Config, cuda: bool) -> tuple:
@@ -57,9 +57,10 @@ def make_cache(batch: int, context: int, fmt: str, device, seed: int = 0):
                                                   device=device, generator=g),
                   key_scale=0.01, value_scale=0.01, cache_format="nvfp4")
         return kw, 2 * (math.prod(codes) + math.prod(blocks))
-    k = (torch.randn(shape, device=device, generator=g) * 8).to(torch.float8_e4m3fn)
+    fp8 = torch.float8_e5m2 if fmt == "e5m2" else torch.float8_e4m3fn
+    k = (torch.randn(shape, device=device, generator=g) * 8).to(fp8)
     kw.update(key_cache=k, value_cache=(torch.randn(shape, device=device, generator=g)
-                                        * 8).to(torch.float8_e4m3fn))
+                                        * 8).to(fp8))
     if fmt == "mxfp8":   # E8M0 block scales 2**-9 .. 2**-1, one per 32 elements
         blocks = shape[:-1] + (HEAD_DIM // 32,)
         kw.update(key_scale_cache=torch.randint(118, 127, blocks, dtype=torch.uint8,
