@@ -129,9 +129,9 @@ RAGGED_LENGTHS = {
 
 
 def table_attention_ragged(device, cfg: Config, timer: Timer, copy_gbps: float) -> Table:
-    """Ragged batches: the same caches and tables, ``seq_lens`` changed on the device; the
-    shares balanced over ``seq_lens`` (the plan) against every sequence split alike (the
-    ``balance_seqs`` 0 schedule). Bytes: the pages the lengths name."""
+    """Ragged batches: the same caches and tables, ``seq_lens`` changed on the device; both
+    schedules forced (the shares balanced over ``seq_lens``, and every sequence split alike).
+    Bytes: the pages the lengths name."""
     import numpy as np
 
     from fp8kv import attention
@@ -143,8 +143,9 @@ def table_attention_ragged(device, cfg: Config, timer: Timer, copy_gbps: float) 
                   f"{batch} sequences, block tables of {capacity} tokens each, lengths: all "
                   f"{capacity} (uniform), one {capacity} among {min(512, capacity)}s (one long), "
                   f"drawn from 1..{capacity} (random, seed 0); the Llama decode shape of the "
-                  "attention table; provider = format, and `uniform split` = every sequence "
-                  "split alike (the balancing off); bytes = the pages the lengths name. Time: "
+                  "attention table; provider = format and schedule: `balanced` = the shares "
+                  "balanced over seq_lens (`balance_seqs` raised to the batch), `uniform split` = "
+                  "every sequence split alike (the CUDA default); bytes = the pages the lengths name. Time: "
                   + ("one CUDA-graph replay." if timer.cuda else "eager calls on the CPU."),
                   plot="bars")
     backend = attention.CUDA if timer.cuda else attention.INTERPRET
@@ -155,7 +156,8 @@ def table_attention_ragged(device, cfg: Config, timer: Timer, copy_gbps: float) 
         for name, lengths in RAGGED_LENGTHS.items():
             lens = [int(n) for n in lengths(np.random.default_rng(0), batch, capacity)]
             kw["seq_lens"] = torch.tensor(lens, dtype=torch.int32, device=device)
-            for provider, entries in ((fmt, {}), (f"{fmt} uniform split", {"balance_seqs": 0})):
+            for provider, entries in ((f"{fmt} balanced", {"balance_seqs": batch}),
+                                      (f"{fmt} uniform split", {"balance_seqs": 0})):
                 with planned_with(attention.ATTENTION_SIZES, backend, **entries):
                     timer.settle()
                     us = timer.time(mode, [lambda: attend(kw, out)])

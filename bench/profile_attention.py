@@ -22,7 +22,7 @@ def main(argv=None) -> None:
     p.add_argument("format", nargs="?", default="e4m3", choices=FORMATS)
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("sizes", nargs="*", metavar="KEY=VALUE")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)   # KEY=VALUE after --calls too
     entries = {}
     for item in a.sizes:
         key, _, value = item.partition("=")

@@ -179,7 +179,7 @@ _ONE_WARP_SPLIT_TO_1024 = dict(warps=1, split_below=1024, target_programs=1024,
 ATTENTION_SIZES = {
     CUDA: dict(block_m=16, min_block_m=8, block_n=32, warps=2, stages=5, split_stages=5,
                split_below=512, target_programs=264, min_split_tokens=256, max_splits=64,
-               merge_rows=4, merge_warps=4, merge_splits=8, peel=True, prefetch=1, pdl=True,
+               merge_rows=4, merge_warps=4, merge_splits=32, peel=True, prefetch=1, pdl=True,
                fuse_scale=True, pow2_splits=True, balance_seqs=0, balance_programs=264,
                packed=dict(_ONE_WARP_SPLIT_TO_1024),   # (copies: a sweep changes one of them)
                plain=dict(stages=4, split_stages=4),
