@@ -469,7 +469,8 @@ def check_seq_lens_in_range(seq_lens, query_start_loc, pages_per_seq: int, page_
 class AttentionPlan:
     """The attention kernel's launch, and the merge's where the tokens may be split
     (``merge`` None: the attention kernel writes the output); the fp32 workspace's shapes (the
-    partials, and each output row's first partial and share count, as int32 bits)."""
+    partials, and -- balanced -- each output row's first partial and share count, as int32
+    bits)."""
 
     attention: LaunchPlan
     merge: LaunchPlan | None
@@ -599,6 +600,8 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
                                         sizes["merge_splits"]),
                             ROWS=sizes["merge_rows"]),
                        kernel="_attention_merge_kernel", launch_pdl=pdl)
+    if schedule.block_b == 0:   # every row's SPLITS partials side by side
+        return AttentionPlan(main, merge, (rows * splits, d), (rows * splits, 2), (0,))
     partials = schedule.slots * heads * block_m   # one per row of each program
     return AttentionPlan(main, merge, (partials, d), (partials, 2), (rows, 2))
 
@@ -659,7 +662,10 @@ def attention_operands(args: AttentionArgs, plan: AttentionPlan | None = None) -
               optional("sinks_ptr", "sinks", args.sinks),
               optional("layer_ptr", "layer", args.layers is not None and args.layers.on_device))
     return OperandMap(inputs, (Operand("out_ptr", "out", used=direct),
-                               *(Operand(f"{n}_ptr", n, used=merged) for n in WORKSPACE)))
+                               Operand("partial_out_ptr", "partial_out", used=merged),
+                               Operand("partial_stats_ptr", "partial_stats", used=merged),
+                               Operand("partial_rows_ptr", "partial_rows",
+                                       used=merged and plan.balanced)))
 
 
 def merge_operands(args: AttentionArgs, plan: AttentionPlan) -> OperandMap:
@@ -667,7 +673,10 @@ def merge_operands(args: AttentionArgs, plan: AttentionPlan) -> OperandMap:
     rows that grid wrote stay), so ``out_ptr`` shares the buffer of ``written_ptr``, a
     parameter the kernel never reads."""
     balanced = plan.balanced
-    return OperandMap((*(Operand(f"{n}_ptr", n) for n in WORKSPACE),
+    return OperandMap((Operand("partial_out_ptr", "partial_out"),
+                       Operand("partial_stats_ptr", "partial_stats"),
+                       Operand("partial_rows_ptr", "partial_rows" if balanced else PLACEHOLDER,
+                               used=balanced),
                        Operand("sinks_ptr", "sinks" if args.sinks else "partial_stats",
                                used=args.sinks),
                        Operand("written_ptr", "out" if balanced else "partial_stats",

@@ -64,6 +64,14 @@ FP8_DTYPES = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
+def gpu_infos(call: dict) -> dict:
+    """A built call's arrays as CUDA array descriptions (what a plan reads), for planning
+    without a GPU."""
+    from fp8kv.arrays import ArrayInfo
+    return {n: ArrayInfo.contiguous(v.shape, v.dtype.name, "cuda:0")
+            if isinstance(v, np.ndarray) else v for n, v in call.items()}
+
+
 def _page_shape(case: AttentionCase, num_pages: int, width: int) -> tuple:
     h, s = case.num_kv_heads, case.page_size
     if case.rank == 3:

@@ -26,7 +26,7 @@ from fp8kv.ops.paged_attention import balanced_share  # noqa: E402
 from fp8kv.plan import CUDA, INTERPRET  # noqa: E402
 from fp8kv_torch import _attention  # noqa: E402
 from tests.attention_cases import (NOTHING_TO_READ, RANDOM_CASES, AttentionCase,  # noqa: E402
-                                   build, nothing_to_read)
+                                   build, gpu_infos, nothing_to_read)
 from tests.helpers import requires_cuda, to_torch  # noqa: E402
 
 # One case per feature; each runs on every device (the interpreter: a second or two each).
@@ -336,12 +336,9 @@ def test_gpu_dependent_launch_and_prefetch_change_no_byte(monkeypatch):
 
 def test_dependent_launch_is_planned_for_split_calls_only(monkeypatch):
     from fp8kv.attention import check_attention
-    from fp8kv.arrays import ArrayInfo
 
     def plan_of(seq_lens):
-        arrays = {n: ArrayInfo.contiguous(v.shape, v.dtype.name, "cuda:0")
-                  if isinstance(v, np.ndarray) else v
-                  for n, v in build(AttentionCase(seq_lens=seq_lens))["call"].items()}
+        arrays = gpu_infos(build(AttentionCase(seq_lens=seq_lens))["call"])
         return plan_attention(check_attention(**arrays), CUDA)
 
     for pdl in (True, False):
@@ -370,11 +367,9 @@ def test_query_rows_per_tile_are_the_mma_columns_a_call_fills(heads, kv_heads, q
     (its longest query x the group), from the MMA's 8 columns up to ``block_m``; more rows take
     more row tiles."""
     from fp8kv.attention import check_attention
-    from fp8kv.arrays import ArrayInfo
     case = AttentionCase(num_heads=heads, num_kv_heads=kv_heads, head_dim=64,
                          seq_lens=(40, 20), query_lens=query_lens)
-    arrays = {n: ArrayInfo.contiguous(v.shape, v.dtype.name, "cuda:0")
-              if isinstance(v, np.ndarray) else v for n, v in build(case)["call"].items()}
+    arrays = gpu_infos(build(case)["call"])
     if query_lens:
         arrays["max_query_len"] = max(query_lens)
     tiles = plan_attention(check_attention(**arrays), CUDA).attention.constexprs["C"].tiles
@@ -437,8 +432,7 @@ def test_plan_nvfp4_llama_decode_one_warp_programs_split_to_1024(seqs, context, 
     from fp8kv.arrays import ArrayInfo
     case = AttentionCase(cache="nvfp4", num_heads=32, num_kv_heads=8, head_dim=128,
                          seq_lens=(16,) * seqs, page_size=16)
-    arrays = {n: ArrayInfo.contiguous(v.shape, v.dtype.name, "cuda:0")
-              if isinstance(v, np.ndarray) else v for n, v in build(case)["call"].items()}
+    arrays = gpu_infos(build(case)["call"])
     # The plan reads the block table's width (the longest context a call may have), not
     # seq_lens: a table of context / 16 pages per sequence.
     arrays["block_table"] = ArrayInfo.contiguous((seqs, context // 16), "int32", "cuda:0")
@@ -570,17 +564,8 @@ def test_interpreter_plan_is_planned_for_small_grids():
 # Every kernel variant the plans make compiles for Hopper, without a GPU (CI has none).
 
 def _compile_variants():
-    from fp8kv.arrays import ArrayInfo
-
     def arrays(case):
-        c = build(case)["call"]
-        out = {}
-        for n, v in c.items():
-            if isinstance(v, np.ndarray):
-                out[n] = ArrayInfo.contiguous(v.shape, v.dtype.name, "cuda:0")
-            else:
-                out[n] = v
-        return out
+        return gpu_infos(build(case)["call"])
 
     return [
         ("e4m3", arrays(AttentionCase(num_heads=32, num_kv_heads=8, head_dim=128,

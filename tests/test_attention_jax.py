@@ -21,7 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 import fp8kv_jax  # noqa: E402
 from tests import jax_glue  # noqa: E402
 from tests.attention_cases import (NOTHING_TO_READ, RANDOM_CASES, AttentionCase,  # noqa: E402
-                                   build, nothing_to_read)
+                                   build, gpu_infos, nothing_to_read)
 from tests.helpers import jnp_where_jax_runs_on_the_cpu  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -306,15 +306,16 @@ BALANCED_CASE = AttentionCase(seq_lens=(700, 3, 0, 40, 1), head_dim=32, page_siz
 
 
 @contextlib.contextmanager
-def _balanced():
-    """The balanced schedule (SPEC 16.2) forced on in the CUDA plan, every plan and jitted
-    launch made under it forgotten afterwards."""
+def _schedule(balance_seqs: int = 64):
+    """The CUDA plan's ``balance_seqs`` set (64: the balanced schedule of SPEC 16.2 forced on;
+    0: every sequence split alike), every plan and jitted launch made under it forgotten
+    afterwards."""
     from fp8kv.attention import ATTENTION_SIZES, plan_attention
     from fp8kv.plan import CUDA
     from fp8kv_jax import _triton
 
     saved = ATTENTION_SIZES[CUDA]["balance_seqs"]
-    ATTENTION_SIZES[CUDA]["balance_seqs"] = 64
+    ATTENTION_SIZES[CUDA]["balance_seqs"] = balance_seqs
     plan_attention.cache_clear()
     _triton._paged_attention.clear_cache()
     try:
@@ -326,12 +327,20 @@ def _balanced():
 
 
 @pytest.mark.parametrize("cache", ["e4m3", "nvfp4"])
-def test_balanced_shares_through_the_gpu_launch_code(cache, monkeypatch):
-    """Balanced shares: the rows of one share that the attention grid writes stay through the
-    merge (its output aliased to the grid's), the split rows are merged."""
+@pytest.mark.parametrize("balance_seqs", [64, 0], ids=["balanced", "split-alike"])
+def test_split_shares_through_the_gpu_launch_code(balance_seqs, cache, monkeypatch):
+    """Both schedules of a split call through JAX's GPU launch code: balanced, the rows of one
+    share that the attention grid writes stay through the merge (its output aliased to the
+    grid's) and the split rows are merged; split alike, the merge finds every row's partials
+    by the row's index (no index workspace)."""
+    from fp8kv.attention import check_attention, plan_attention
+    from fp8kv.plan import CUDA
+
     jax_glue.use_interpreted_gpu_path(monkeypatch)
     c = build(dataclasses.replace(BALANCED_CASE, cache=cache))
-    with _balanced():
+    with _schedule(balance_seqs):
+        plan = plan_attention(check_attention(**gpu_infos(c["call"])), CUDA)
+        assert plan.merge is not None and plan.balanced == (balance_seqs > 0)
         within_bound(attend(c["call"]), c)
 
 
@@ -339,7 +348,7 @@ def test_balanced_shares_through_the_gpu_launch_code(cache, monkeypatch):
 @pytest.mark.skipif(not _gpu(), reason="needs JAX on an NVIDIA GPU (runs in the GPU suite)")
 def test_gpu_balanced_shares_give_torch_bytes():
     from fp8kv_torch import _attention
-    with _balanced():
+    with _schedule():
         _attention.clear()
         try:
             test_gpu_gives_torch_bytes(dataclasses.replace(

@@ -937,10 +937,18 @@ def _paged_attention_kernel(
     q_row = (q_first + i).to(tl.int64) * G.num_heads + h * G.group + rows % G.group
     d = tl.arange(0, R_V.block_d)
     d_ok = d < R_V.head_dim
-    if T.merged:
-        # Partial ``(slot * programs_per_slot + hm) * BLOCK_M + r`` for row r of the tile; the
-        # first share tells the merge where its row's partials start and how many there are
-        # (one: written here).
+    if T.merged and T.block_b == 0:
+        # Every row split alike: partial ``q_row * SPLITS + split``, found by the merge from
+        # its row alone (no index to load first: one round trip fewer before its sums).
+        part = q_row * T.splits + split
+        tl.store(partial_out_ptr + part[:, None] * R_V.head_dim + d[None, :], o,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(partial_stats_ptr + part * 2, m_all, mask=row_ok)
+        tl.store(partial_stats_ptr + part * 2 + 1, l_all, mask=row_ok)
+    elif T.merged:
+        # Balanced: partial ``(slot * programs_per_slot + hm) * BLOCK_M + r`` for row r of the
+        # tile; the first share tells the merge where its row's partials start and how many
+        # there are (one: written here).
         SLOT_PARTIALS: tl.constexpr = G.num_kv_heads * T.m_tiles * T.block_m
         part = (slot.to(tl.int64) * SLOT_PARTIALS + hm * T.block_m
                 + tl.arange(0, T.block_m))
@@ -995,21 +1003,26 @@ def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, partial_rows_ptr
     q_row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = q_row < num_rows
     q_row = tl.where(row_ok, q_row, 0).to(tl.int64)
-    index = partial_rows_ptr.to(tl.pointer_type(tl.int32)) + q_row * 2
-    first = tl.load(index, mask=row_ok, other=0).to(tl.int64)
-    count = tl.load(index + 1, mask=row_ok, other=1)
-    row_ok = row_ok & (count > 1)
+    if T.block_b == 0:   # every row split alike: its partials side by side, at its index
+        first = q_row * T.splits
+        count = tl.full([ROWS], T.splits, tl.int32)
+        STRIDE: tl.constexpr = 1
+    else:   # balanced: where the row's first share said; a row of one share is written
+        index = partial_rows_ptr.to(tl.pointer_type(tl.int32)) + q_row * 2
+        first = tl.load(index, mask=row_ok, other=0).to(tl.int64)
+        count = tl.load(index + 1, mask=row_ok, other=1)
+        row_ok = row_ok & (count > 1)
+        STRIDE: tl.constexpr = G.num_kv_heads * T.m_tiles * T.block_m
     # Each row's largest partial max first, then its partials weighted and summed: both over
     # blocks of BLOCK_S shares in split order (a call of at most BLOCK_S shares per row takes
     # one block: its partials' round trips overlap; a block of every share's [ROWS, D] partials
     # at the plan's cap would not fit in registers).
-    SLOT_PARTIALS: tl.constexpr = G.num_kv_heads * T.m_tiles * T.block_m
     s = tl.arange(0, BLOCK_S)
     shares = tl.reduce(tl.where(row_ok, count, 0), 0, max_combine)
     top = tl.full([ROWS], _NEG_INF, tl.float32)
     k = 0
     while k < shares:
-        part = first[:, None] + (k + s[None, :]) * SLOT_PARTIALS            # [ROWS, BLOCK_S]
+        part = first[:, None] + (k + s[None, :]) * STRIDE                   # [ROWS, BLOCK_S]
         ok = row_ok[:, None] & (k + s[None, :] < count[:, None])
         m = tl.load(partial_stats_ptr + part * 2, mask=ok, other=_NEG_INF)
         top = tl.maximum(top, tl.reduce(m, 1, max_combine))
@@ -1021,7 +1034,7 @@ def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, partial_rows_ptr
     l = tl.full([ROWS], 0.0, tl.float32)
     k = 0
     while k < shares:
-        part = first[:, None] + (k + s[None, :]) * SLOT_PARTIALS
+        part = first[:, None] + (k + s[None, :]) * STRIDE
         ok = row_ok[:, None] & (k + s[None, :] < count[:, None])
         m = tl.load(partial_stats_ptr + part * 2, mask=ok, other=_NEG_INF)
         weight = tl.math.exp2(m - top_use[:, None])                         # 0 for empty shares
