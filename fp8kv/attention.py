@@ -172,8 +172,8 @@ class Constants(NamedTuple):
 # sequence among short ones does not leave one program per kv head reading it alone. Extra
 # programs that a batch of equal lengths does not use return at once. Off on CUDA for now
 # (bench/NOTES.md, "Ragged batches": one long sequence among short ones 2.9-3.5x faster, but
-# NVFP4's equal lengths 30-38 % slower and e4m3's large batches 6-7 % slower, not yet
-# understood); the interpreter's row balances, so that CPU tests run it.
+# those unused programs cost NVFP4's equal lengths a third at the middle shapes, the prologue
+# 2-10 %); the interpreter's row balances, so that CPU tests run it.
 _ONE_WARP_SPLIT_TO_1024 = dict(warps=1, split_below=1024, target_programs=1024,
                                balance_programs=1024, min_split_tokens=128, pow2_splits=False)
 ATTENTION_SIZES = {
