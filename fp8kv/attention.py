@@ -593,17 +593,18 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
     rows = args.num_tokens * args.num_heads
     if not schedule.merged:
         return AttentionPlan(main, None, (0,), (0,), (0,))
+    partials = rows * splits if schedule.block_b == 0 else schedule.slots * heads * block_m
     merge = LaunchPlan((-(-rows // sizes["merge_rows"]),), sizes["merge_warps"],
-                       dict(num_rows=rows),
+                       dict(num_rows=rows, num_partials=partials),
                        dict(C=consts, BLOCK_D=triton.next_power_of_2(d),
                             BLOCK_S=min(triton.next_power_of_2(schedule.split_cap),
                                         sizes["merge_splits"]),
                             ROWS=sizes["merge_rows"]),
                        kernel="_attention_merge_kernel", launch_pdl=pdl)
-    if schedule.block_b == 0:   # every row's SPLITS partials side by side
-        return AttentionPlan(main, merge, (rows * splits, d), (rows * splits, 2), (0,))
-    partials = schedule.slots * heads * block_m   # one per row of each program
-    return AttentionPlan(main, merge, (partials, d), (partials, 2), (rows, 2))
+    # Split alike, every row's SPLITS partials side by side; balanced, one per row of each
+    # program, and each row's (first partial, count).
+    return AttentionPlan(main, merge, (partials, d), (partials, 2),
+                         (0,) if schedule.block_b == 0 else (rows, 2))
 
 
 class Schedule(NamedTuple):

@@ -772,3 +772,34 @@ def test_a_balanced_ragged_batch_reads_within_the_bound(cache, device, monkeypat
     finally:
         monkeypatch.undo()
         _attention.clear()
+
+
+@pytest.mark.parametrize("balance_seqs", [64, 0], ids=["balanced", "split-alike"])
+def test_query_rows_past_the_last_sequence_are_left_alone(balance_seqs, device, monkeypatch):
+    """A CUDA graph's padded batch: query rows past ``query_start_loc[num_seqs]`` belong to no
+    sequence (SPEC 16.1). The split call merges the other rows within the bound and reads
+    nothing outside its workspace for those (their index entries are never written: the
+    workspace is poisoned with huge ones here)."""
+    sizes = ATTENTION_SIZES[INTERPRET if device == "cpu" else CUDA]
+    monkeypatch.setitem(sizes, "balance_seqs", balance_seqs)
+    case = AttentionCase(seq_lens=(300, 40, 5), query_lens=(3, 1, 2), head_dim=32,
+                         page_size=16, num_heads=4, num_kv_heads=1)
+    call, c = call_of(case, device)
+    tokens = call["query"].shape[0]
+    call["query"] = torch.cat([call["query"], call["query"][:5]])   # five padding rows
+    empty = torch.empty
+
+    def poisoned(*shape, **kw):   # the workspace: every int32 bit pattern huge
+        return empty(*shape, **kw).view(torch.int32).fill_(0x7FFFFF00).view(kw["dtype"]) \
+            if kw.get("dtype") == torch.float32 else empty(*shape, **kw)
+
+    _attention.clear()
+    try:
+        monkeypatch.setattr(_attention.torch, "empty", poisoned)
+        out = attend(call, max_query_len=3)
+        plan = next(iter(_attention._READY.values())).plan
+        assert plan.merge is not None and plan.balanced == (balance_seqs > 0)
+        within_bound(out[:tokens], c)
+    finally:
+        monkeypatch.undo()
+        _attention.clear()

@@ -991,7 +991,7 @@ def finish(o, m, l, q_row, row_ok, d, d_ok, sinks_ptr, out_ptr, C: tl.constexpr)
 
 @jit(do_not_specialize=["num_rows"])
 def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, partial_rows_ptr, sinks_ptr,
-                            written_ptr, num_rows, out_ptr, C: tl.constexpr,
+                            written_ptr, num_rows, num_partials, out_ptr, C: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ROWS: tl.constexpr):
     """Combine the partials of ``ROWS`` output rows (token, query head) per program, in split
     order; a row of one share is left as the attention grid wrote it (``written_ptr``, never
@@ -1011,8 +1011,12 @@ def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, partial_rows_ptr
         index = partial_rows_ptr.to(tl.pointer_type(tl.int32)) + q_row * 2
         first = tl.load(index, mask=row_ok, other=0).to(tl.int64)
         count = tl.load(index + 1, mask=row_ok, other=1)
-        row_ok = row_ok & (count > 1)
         STRIDE: tl.constexpr = G.num_kv_heads * T.m_tiles * T.block_m
+        # The index of a query row past the last sequence's (a padded batch) is never written:
+        # kept inside the workspace (a written one is already).
+        count = tl.minimum(tl.maximum(count, 1), T.split_cap)
+        first = tl.minimum(tl.maximum(first, 0), num_partials - 1 - (count - 1) * STRIDE)
+        row_ok = row_ok & (count > 1)
     # Each row's largest partial max first, then its partials weighted and summed: both over
     # blocks of BLOCK_S shares in split order (a call of at most BLOCK_S shares per row takes
     # one block: its partials' round trips overlap; a block of every share's [ROWS, D] partials
