@@ -787,11 +787,13 @@ def test_query_rows_past_the_last_sequence_are_left_alone(balance_seqs, device, 
     call, c = call_of(case, device)
     tokens = call["query"].shape[0]
     call["query"] = torch.cat([call["query"], call["query"][:5]])   # five padding rows
-    empty = torch.empty
+    empty, made = torch.empty, []
 
     def poisoned(*shape, **kw):   # the workspace: every int32 bit pattern huge
-        return empty(*shape, **kw).view(torch.int32).fill_(0x7FFFFF00).view(kw["dtype"]) \
-            if kw.get("dtype") == torch.float32 else empty(*shape, **kw)
+        if kw.get("dtype") != torch.float32:
+            return empty(*shape, **kw)
+        made.append(shape)
+        return empty(*shape, **kw).view(torch.int32).fill_(0x7FFFFF00).view(torch.float32)
 
     _attention.clear()
     try:
@@ -799,6 +801,7 @@ def test_query_rows_past_the_last_sequence_are_left_alone(balance_seqs, device, 
         out = attend(call, max_query_len=3)
         plan = next(iter(_attention._READY.values())).plan
         assert plan.merge is not None and plan.balanced == (balance_seqs > 0)
+        assert len(made) == 3   # (the workspace was poisoned)
         within_bound(out[:tokens], c)
     finally:
         monkeypatch.undo()
