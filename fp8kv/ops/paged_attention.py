@@ -989,6 +989,20 @@ def finish(o, m, l, q_row, row_ok, d, d_ok, sinks_ptr, out_ptr, C: tl.constexpr)
              mask=row_ok[:, None] & d_ok[None, :])
 
 
+@jit
+def merge_block(partial_out_ptr, partial_stats_ptr, first, count, row_ok, k, s, d, d_ok,
+                STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Shares ``k + s`` of each row (``[ROWS, BLOCK_S]``, ``first`` the row's first partial,
+    ``STRIDE`` apart): their row maxima, row sums and ``[ROWS, BLOCK_S, D]`` partials."""
+    part = first[:, None] + (k + s[None, :]) * STRIDE
+    ok = row_ok[:, None] & (k + s[None, :] < count[:, None])
+    m = tl.load(partial_stats_ptr + part * 2, mask=ok, other=_NEG_INF)
+    l = tl.load(partial_stats_ptr + part * 2 + 1, mask=ok, other=0.0)
+    parts = tl.load(partial_out_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :],
+                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
+    return m, l, parts
+
+
 @jit(do_not_specialize=["num_rows"])
 def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, partial_rows_ptr, sinks_ptr,
                             written_ptr, num_rows, num_partials, out_ptr, C: tl.constexpr,
@@ -1017,35 +1031,39 @@ def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, partial_rows_ptr
         count = tl.minimum(tl.maximum(count, 1), T.split_cap)
         first = tl.minimum(tl.maximum(first, 0), num_partials - 1 - (count - 1) * STRIDE)
         row_ok = row_ok & (count > 1)
-    # Each row's largest partial max first, then its partials weighted and summed: both over
-    # blocks of BLOCK_S shares in split order (a call of at most BLOCK_S shares per row takes
-    # one block: its partials' round trips overlap; a block of every share's [ROWS, D] partials
-    # at the plan's cap would not fit in registers).
     s = tl.arange(0, BLOCK_S)
-    shares = tl.reduce(tl.where(row_ok, count, 0), 0, max_combine)
-    top = tl.full([ROWS], _NEG_INF, tl.float32)
-    k = 0
-    while k < shares:
-        part = first[:, None] + (k + s[None, :]) * STRIDE                   # [ROWS, BLOCK_S]
-        ok = row_ok[:, None] & (k + s[None, :] < count[:, None])
-        m = tl.load(partial_stats_ptr + part * 2, mask=ok, other=_NEG_INF)
-        top = tl.maximum(top, tl.reduce(m, 1, max_combine))
-        k += BLOCK_S
-    top_use = tl.where(top == _NEG_INF, 0.0, top)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < G.head_dim
-    o = tl.full([ROWS, BLOCK_D], 0.0, tl.float32)
-    l = tl.full([ROWS], 0.0, tl.float32)
-    k = 0
-    while k < shares:
-        part = first[:, None] + (k + s[None, :]) * STRIDE
-        ok = row_ok[:, None] & (k + s[None, :] < count[:, None])
-        m = tl.load(partial_stats_ptr + part * 2, mask=ok, other=_NEG_INF)
-        weight = tl.math.exp2(m - top_use[:, None])                         # 0 for empty shares
-        l += tl.reduce(tl.load(partial_stats_ptr + part * 2 + 1, mask=ok, other=0.0) * weight,
-                       1, _sum_combine)
-        parts = tl.load(partial_out_ptr + part[:, :, None] * G.head_dim + d[None, None, :],
-                        mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
-        o += tl.reduce(parts * weight[:, :, None], 1, _sum_combine)
-        k += BLOCK_S
+    if BLOCK_S >= T.split_cap:
+        # Every row's shares in one block: their partials requested together, one pass.
+        m, l, parts = merge_block(partial_out_ptr, partial_stats_ptr, first, count, row_ok, 0,
+                                  s, d, d_ok, STRIDE, G.head_dim)
+        top = tl.reduce(m, 1, max_combine)
+        weight = tl.math.exp2(m - tl.where(top == _NEG_INF, 0.0, top)[:, None])   # 0: empty
+        l = tl.reduce(l * weight, 1, _sum_combine)
+        o = tl.reduce(parts * weight[:, :, None], 1, _sum_combine)
+    else:
+        # Blocks of BLOCK_S shares in split order, twice: each row's largest partial max, then
+        # its partials weighted and summed (a block of every share's [ROWS, D] partials at the
+        # plan's cap would not fit in registers).
+        shares = tl.reduce(tl.where(row_ok, count, 0), 0, max_combine)
+        top = tl.full([ROWS], _NEG_INF, tl.float32)
+        k = 0
+        while k < shares:
+            part = first[:, None] + (k + s[None, :]) * STRIDE               # [ROWS, BLOCK_S]
+            ok = row_ok[:, None] & (k + s[None, :] < count[:, None])
+            m = tl.load(partial_stats_ptr + part * 2, mask=ok, other=_NEG_INF)
+            top = tl.maximum(top, tl.reduce(m, 1, max_combine))
+            k += BLOCK_S
+        top_use = tl.where(top == _NEG_INF, 0.0, top)
+        o = tl.full([ROWS, BLOCK_D], 0.0, tl.float32)
+        l = tl.full([ROWS], 0.0, tl.float32)
+        k = 0
+        while k < shares:
+            m, l_k, parts = merge_block(partial_out_ptr, partial_stats_ptr, first, count,
+                                        row_ok, k, s, d, d_ok, STRIDE, G.head_dim)
+            weight = tl.math.exp2(m - top_use[:, None])                     # 0: empty shares
+            l += tl.reduce(l_k * weight, 1, _sum_combine)
+            o += tl.reduce(parts * weight[:, :, None], 1, _sum_combine)
+            k += BLOCK_S
     finish(o, top, l, q_row, row_ok, d, d_ok, sinks_ptr, out_ptr, C)
