@@ -782,9 +782,10 @@ def test_query_rows_past_the_last_sequence_are_left_alone(balance_seqs, device, 
     workspace is poisoned with huge ones here)."""
     sizes = ATTENTION_SIZES[INTERPRET if device == "cpu" else CUDA]
     monkeypatch.setitem(sizes, "balance_seqs", balance_seqs)
-    # (a table long enough that the CUDA plan splits too: 1,300 tokens, four shares)
-    case = AttentionCase(seq_lens=(300 if device == "cpu" else 1300, 40, 5), query_lens=(3, 1, 2),
-                         head_dim=32, page_size=16, num_heads=4, num_kv_heads=1)
+    # (a table long enough that the CUDA plan splits too: 1,300 tokens, eight shares)
+    longest = 300 if device == "cpu" else 1300
+    case = AttentionCase(seq_lens=(longest, 40, 5), query_lens=(3, 1, 2), head_dim=32,
+                         page_size=16, num_heads=4, num_kv_heads=1)
     call, c = call_of(case, device)
     tokens = call["query"].shape[0]
     call["query"] = torch.cat([call["query"], call["query"][:5]])   # five padding rows
