@@ -990,7 +990,7 @@ def finish(o, m, l, q_row, row_ok, d, d_ok, sinks_ptr, out_ptr, C: tl.constexpr)
 
 
 @jit
-def share_rows(first, count, row_ok, k, s, STRIDE: tl.constexpr):
+def share_partials(first, count, row_ok, k, s, STRIDE: tl.constexpr):
     """``(part, ok)``: the partials' indices of shares ``k + s`` of each row (``[ROWS,
     BLOCK_S]``, ``first`` the row's first partial, ``STRIDE`` apart) and where they exist."""
     part = first[:, None] + (k + s[None, :]) * STRIDE
@@ -1001,9 +1001,9 @@ def share_rows(first, count, row_ok, k, s, STRIDE: tl.constexpr):
 @jit
 def merge_block(partial_out_ptr, partial_stats_ptr, first, count, row_ok, k, s, d, d_ok,
                 STRIDE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Shares ``k + s`` of each row (:func:`share_rows`): their row maxima, row sums and
+    """Shares ``k + s`` of each row (:func:`share_partials`): their row maxima, row sums and
     ``[ROWS, BLOCK_S, D]`` partials."""
-    part, ok = share_rows(first, count, row_ok, k, s, STRIDE)
+    part, ok = share_partials(first, count, row_ok, k, s, STRIDE)
     m = tl.load(partial_stats_ptr + part * 2, mask=ok, other=_NEG_INF)
     l = tl.load(partial_stats_ptr + part * 2 + 1, mask=ok, other=0.0)
     parts = tl.load(partial_out_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :],
@@ -1058,7 +1058,7 @@ def _attention_merge_kernel(partial_out_ptr, partial_stats_ptr, partial_rows_ptr
         top = tl.full([ROWS], _NEG_INF, tl.float32)
         k = 0
         while k < shares:
-            part, ok = share_rows(first, count, row_ok, k, s, STRIDE)
+            part, ok = share_partials(first, count, row_ok, k, s, STRIDE)
             m = tl.load(partial_stats_ptr + part * 2, mask=ok, other=_NEG_INF)
             top = tl.maximum(top, tl.reduce(m, 1, max_combine))
             k += BLOCK_S
