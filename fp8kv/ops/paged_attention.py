@@ -624,24 +624,18 @@ def prefetch_rows(ahead, sides, C: tl.constexpr):
 
 
 @jit
-def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.constexpr,
-                GUARD: tl.constexpr):
-    """One step of the token loop: a tile read by :func:`read_keys` (``keys``) folded into the
-    online softmax ``state`` = ``(m, l, acc, v_exp)``; its V operand ``values`` as
-    :func:`value_operand` gives it, or None: read here, after the scores (in the pipelined loop
-    Triton issues the loads ahead anyway). ``qt``: the query rows' transpose ``[W, D, M]``;
-    ``scales``: the score scale and the soft cap; ``C``: the constexprs. A guarded tile past the
-    share's end leaves the state as it is (every score is masked).
+def tile_scores(qt, keys, scales, C: tl.constexpr):
+    """``(t, s)``: the tokens of a tile read by :func:`read_keys` (``keys``) and their scores
+    ``[W, N, M]`` (K Q^T times the score scale and the keys' dynamic scales, soft-capped), not
+    yet masked. ``qt``: the query rows' transpose ``[W, D, M]``; ``scales``: the score scale
+    and the soft cap.
 
     Tokens are the MMAs' M dimension and query rows their N (scores ``[W, N, M]`` = K Q^T, the
     output's transpose ``[W, D, M]`` += V^T P^T): a GQA group of 4 or 8 heads fills an MMA's 8
     columns, where as its 16 rows three quarters of every score, exponential and rescaled
     accumulator would be padding."""
     R_K: tl.constexpr = C.key_read
-    R_V: tl.constexpr = C.value_read
     OPT: tl.constexpr = C.options
-    m_i, l_i, acc, v_exp = state
-    end, last, pos3, window = seen
     score_scale, soft_cap = scales
     t, k, k_cols, v_rows = keys
     if R_K.kind == READ_NVFP4:   # even and odd halves of the head dimension
@@ -657,6 +651,32 @@ def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.conste
         s = s * k_cols[:, :, None]
     if OPT.soft_cap:
         s = _soft_cap(s, soft_cap) * LOG2E
+    return t, s
+
+
+@jit
+def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.constexpr,
+                GUARD: tl.constexpr):
+    """One step of the token loop: a tile read by :func:`read_keys` (``keys``) folded into the
+    online softmax ``state`` (:func:`fold_tile`); its V operand ``values`` as
+    :func:`value_operand` gives it, or None: read after the scores (in the pipelined loop Triton
+    issues the loads ahead anyway)."""
+    t, s = tile_scores(qt, keys, scales, C)
+    return fold_tile(state, t, s, values, keys[3], seen, sides, live, C, GUARD, False)
+
+
+@jit
+def fold_tile(state, t, s, values, v_rows, seen, sides, live, C: tl.constexpr,
+              GUARD: tl.constexpr, RAW: tl.constexpr):
+    """The online softmax ``state`` = ``(m, l, acc, v_exp)`` with the tile of tokens ``t`` and
+    scores ``s`` (:func:`tile_scores`) folded in. ``values``: the tile's V operand
+    (:func:`value_operand`), its bytes as :func:`load_values` gives them (``RAW``: converted
+    here, after the softmax), or None: read here from ``v_rows``. A guarded tile past the
+    share's end leaves the state as it is (every score is masked)."""
+    R_V: tl.constexpr = C.value_read
+    OPT: tl.constexpr = C.options
+    m_i, l_i, acc, v_exp = state
+    end, last, pos3, window = seen
     ok = (t < end)[:, :, None]
     if OPT.varlen:                                              # causal among the queries
         ok = ok & (t[:, :, None] <= pos3)
@@ -670,6 +690,8 @@ def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.conste
     l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
     if values is None:
         values = value_operand(load_values(v_rows, sides, live, C, GUARD), C)
+    elif RAW:
+        values = value_operand(values, C)
     v, v_cols = values
     if R_V.columns != COLUMNS_NONE:
         # Probabilities times the tokens' V scales, in units of 2**v_exp: the largest scale
@@ -703,6 +725,26 @@ def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.conste
         acc = tl.dot(v, p.to(v.dtype), acc, input_precision="ieee")
     m_i = m_new
     return m_i, l_i, acc, v_exp
+
+
+@jit
+def carried_step(state, pending, t0, qt, seen, sides, scales, table, C: tl.constexpr):
+    """A step of the token loop with each tile's scores taken one step ahead (``carry``):
+    ``(state, t, s)`` -- the tile at ``t0`` folded into ``state`` with its ``pending`` tokens
+    and scores, and the next tile's scores. The next tile's K conversion and MMAs do not wait
+    on this tile's softmax, so the warp has both to issue from. The last step's next tile is
+    past the share's end: its scores are never folded. The same products in the same order: the same bytes."""
+    T: tl.constexpr = C.tiles
+    TILE: tl.constexpr = T.warps * T.block_n
+    end, last, pos3, window = seen
+    # Past the share's end the next tile reads the share's last token again (just read), not
+    # the next share's tokens.
+    keys = read_keys(t0 + TILE, (end, end - 1, pos3, window), sides, table, True, C, 0)
+    t, s = tile_scores(qt, keys, scales, C)
+    _, _, v_rows = tile_rows(t0, seen, table, True, C, 0)
+    pending_t, pending_s = pending
+    state = fold_tile(state, pending_t, pending_s, None, v_rows, seen, sides, True, C, 0, False)
+    return state, t, s
 
 
 @jit
@@ -851,12 +893,13 @@ def _paged_attention_kernel(
     if T.peel:
         PREFETCH: tl.constexpr = T.prefetch > 0 and OPT.pipelined   # (no asm interpreted)
         if PREFETCH:   # the next tiles' block-table entries, requested with the first's
-            ahead = pages_ahead(start + TILE, seen, table, C)
+            ahead = pages_ahead(start if T.carry else start + TILE, seen, table, C)
         live = start < end
         first_t, first_k_rows, first_v_rows = tile_rows(start, seen, table, live, C, GUARD)
         k_scales = load_scales(sides[0], sides[2], first_k_rows, live, R_K, FMT, GUARD)
-        v_scales = load_scales(sides[1], sides[3], first_v_rows, live, R_V, FMT, GUARD)
-        v_codes = load_codes(sides[1], first_v_rows[0], live, R_V, OPT.exact, GUARD)
+        if not T.carry:   # (carried: the loop's first step reads them)
+            v_scales = load_scales(sides[1], sides[3], first_v_rows, live, R_V, FMT, GUARD)
+            v_codes = load_codes(sides[1], first_v_rows[0], live, R_V, OPT.exact, GUARD)
         k_codes = load_codes(sides[0], first_k_rows[0], live, R_K, OPT.exact, GUARD)
         if PREFETCH:
             prefetch_rows(ahead, sides, C)
@@ -895,19 +938,30 @@ def _paged_attention_kernel(
         k, k_cols = tile_operand((k_codes, k_scales[0], k_scales[1]), R_K, FMT, False,
                                  OPT.exact)
         first_keys = (first_t, k, k_cols, first_v_rows)
-        first_values = value_operand((v_codes, v_scales[0], v_scales[1]), C)
-        state = attend_tile(state, qt, first_keys, first_values, seen, sides, scales,
-                            start < end, C, GUARD)
-        first = start + TILE
+        if T.carry:   # its scores only: the loop's first step folds it
+            pending_t, pending_s = tile_scores(qt, first_keys, scales, C)
+        else:
+            first_values = value_operand((v_codes, v_scales[0], v_scales[1]), C)
+            state = attend_tile(state, qt, first_keys, first_values, seen, sides, scales,
+                                start < end, C, GUARD)
+            first = start + TILE
     if OPT.pipelined:
         for t0 in tl.range(first, end, TILE, num_stages=T.stages):
-            keys = read_keys(t0, seen, sides, table, True, C, 0)
-            state = attend_tile(state, qt, keys, None, seen, sides, scales, True, C, 0)
+            if T.carry:
+                state, pending_t, pending_s = carried_step(
+                    state, (pending_t, pending_s), t0, qt, seen, sides, scales, table, C)
+            else:
+                keys = read_keys(t0, seen, sides, table, True, C, 0)
+                state = attend_tile(state, qt, keys, None, seen, sides, scales, True, C, 0)
     else:   # the interpreter takes loop bounds from host scalars only: a while loop there
         t0 = first
         while t0 < end:
-            keys = read_keys(t0, seen, sides, table, True, C, 0)
-            state = attend_tile(state, qt, keys, None, seen, sides, scales, True, C, 0)
+            if T.carry:
+                state, pending_t, pending_s = carried_step(
+                    state, (pending_t, pending_s), t0, qt, seen, sides, scales, table, C)
+            else:
+                keys = read_keys(t0, seen, sides, table, True, C, 0)
+                state = attend_tile(state, qt, keys, None, seen, sides, scales, True, C, 0)
             t0 += TILE
     m_i, l_i, acc, v_exp = state
 
