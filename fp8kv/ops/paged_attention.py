@@ -515,23 +515,39 @@ def _soft_cap(s, cap):
     return tl.where(s < 0, -t, t) * cap
 
 
+# Where a tile lies in its share (``EDGE``): inside it (no token to clamp or mask: the tiles
+# after the peeled one), maybe past its end (the tiles of a loop without a peeled tile), or
+# the peeled tile, which ends where the share's other tiles begin and so may start before the
+# share (and lies past its end where the share is empty).
+INSIDE: tl.constexpr = tl.constexpr(0)
+PAST_END: tl.constexpr = tl.constexpr(1)
+PEELED: tl.constexpr = tl.constexpr(2)
+
+
 @jit
-def tile_rows(t0, seen, table, live, C: tl.constexpr, GUARD: tl.constexpr):
+def tile_rows(t0, seen, table, live, C: tl.constexpr, GUARD: tl.constexpr,
+              EDGE: tl.constexpr):
     """``(t, k_rows, v_rows)``: the tokens of the tile of ``W * BLOCK_N`` from ``t0`` and their
-    K and V rows (:func:`fp8kv.ops.addressing.slot_rows`). ``seen``: the share's end, the last
-    visible token, the rows' positions, the window. ``GUARD``: a tile that may lie past the
-    share's end (``live`` false), where nothing may be read -- not even the block table's entry
-    of the clamped last token, as a sequence without tokens has none."""
+    K and V rows (:func:`fp8kv.ops.addressing.slot_rows`). ``seen``: the share's first token
+    and end, the last visible token, the rows' positions, the window. Tokens outside the share
+    (``EDGE``) read the rows of its first or of the last visible one. ``GUARD``: a tile that may
+    lie past the share's end (``live`` false), where nothing may be read -- not even the block
+    table's entry of the clamped last token, as a sequence without tokens has none."""
     CACHE: tl.constexpr = C.cache
     KEY: tl.constexpr = CACHE.KEY
     VALUE: tl.constexpr = CACHE.VALUE
     G: tl.constexpr = C.geometry
     T: tl.constexpr = C.tiles
-    end, last, pos3, window = seen
+    begin, end, last, pos3, window = seen
     w = tl.arange(0, T.warps)
     n = tl.arange(0, T.block_n)
     t = t0 + w[:, None] * T.block_n + n[None, :]                 # [W, BLOCK_N]
-    tc = tl.minimum(t, last).to(tl.uint32)   # (never negative: unsigned division is cheaper)
+    tc = t   # (never negative: unsigned division is cheaper)
+    if EDGE == PEELED:
+        tc = tl.maximum(tc, begin)
+    if EDGE != INSIDE:
+        tc = tl.minimum(tc, last)
+    tc = tc.to(tl.uint32)
     page = _load(table + (tc // G.page_size).to(tl.int32) * G.stride_table_page, None, None,
                  live, GUARD).to(tl.int64)
     slot = (tc % G.page_size).to(tl.int32)
@@ -544,14 +560,15 @@ def tile_rows(t0, seen, table, live, C: tl.constexpr, GUARD: tl.constexpr):
 
 
 @jit
-def read_keys(t0, seen, sides, table, live, C: tl.constexpr, GUARD: tl.constexpr):
+def read_keys(t0, seen, sides, table, live, C: tl.constexpr, GUARD: tl.constexpr,
+              EDGE: tl.constexpr):
     """``(t, k, k_cols, v_rows)``: :func:`tile_rows`'s tokens, their K operand and dynamic
     scales (:func:`tile_operand`) and their V rows; ``sides``: the K and V caches' and side
     arrays' pointers."""
     R_K: tl.constexpr = C.key_read   # (nested constexprs are passed by name)
     FMT: tl.constexpr = C.cache.FMT
     EXACT: tl.constexpr = C.options.exact
-    t, k_rows, v_rows = tile_rows(t0, seen, table, live, C, GUARD)
+    t, k_rows, v_rows = tile_rows(t0, seen, table, live, C, GUARD, EDGE)
     raw = load_tile(sides[0], sides[2], k_rows, live, R_K, FMT, EXACT, GUARD)
     k, k_cols = tile_operand(raw, R_K, FMT, False, EXACT)
     return t, k, k_cols, v_rows
@@ -596,7 +613,7 @@ def pages_ahead(t0, seen, table, C: tl.constexpr):
     their block-table entries, loaded (masked) beside the peeled tile's."""
     G: tl.constexpr = C.geometry
     T: tl.constexpr = C.tiles
-    end = seen[0]
+    end = seen[1]
     t = t0 + tl.arange(0, T.prefetch * T.warps * T.block_n)
     ok = t < end
     page = tl.load(table + (t // G.page_size) * G.stride_table_page, mask=ok, other=0)
@@ -624,18 +641,25 @@ def prefetch_rows(ahead, sides, C: tl.constexpr):
 
 
 @jit
-def tile_scores(qt, keys, scales, C: tl.constexpr):
-    """``(t, s)``: the tokens of a tile read by :func:`read_keys` (``keys``) and their scores
-    ``[W, N, M]`` (K Q^T times the score scale and the keys' dynamic scales, soft-capped), not
-    yet masked. ``qt``: the query rows' transpose ``[W, D, M]``; ``scales``: the score scale
-    and the soft cap.
+def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.constexpr,
+                GUARD: tl.constexpr, EDGE: tl.constexpr):
+    """One step of the token loop: a tile read by :func:`read_keys` (``keys``) folded into the
+    online softmax ``state`` = ``(m, l, acc, v_exp)``; its V operand ``values`` as
+    :func:`value_operand` gives it, or None: read here, after the scores (in the pipelined loop
+    Triton issues the loads ahead anyway). ``qt``: the query rows' transpose ``[W, D, M]``;
+    ``scales``: the score scale and the soft cap; ``C``: the constexprs; ``EDGE``: which of the
+    tile's tokens may lie outside the share (masked). A guarded tile past the share's end
+    leaves the state as it is (every score is masked).
 
     Tokens are the MMAs' M dimension and query rows their N (scores ``[W, N, M]`` = K Q^T, the
     output's transpose ``[W, D, M]`` += V^T P^T): a GQA group of 4 or 8 heads fills an MMA's 8
     columns, where as its 16 rows three quarters of every score, exponential and rescaled
     accumulator would be padding."""
     R_K: tl.constexpr = C.key_read
+    R_V: tl.constexpr = C.value_read
     OPT: tl.constexpr = C.options
+    m_i, l_i, acc, v_exp = state
+    begin, end, last, pos3, window = seen
     score_scale, soft_cap = scales
     t, k, k_cols, v_rows = keys
     if R_K.kind == READ_NVFP4:   # even and odd halves of the head dimension
@@ -651,38 +675,18 @@ def tile_scores(qt, keys, scales, C: tl.constexpr):
         s = s * k_cols[:, :, None]
     if OPT.soft_cap:
         s = _soft_cap(s, soft_cap) * LOG2E
-    return t, s
-
-
-@jit
-def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.constexpr,
-                GUARD: tl.constexpr):
-    """One step of the token loop: a tile read by :func:`read_keys` (``keys``) folded into the
-    online softmax ``state`` (:func:`fold_tile`); its V operand ``values`` as
-    :func:`value_operand` gives it, or None: read after the scores (in the pipelined loop Triton
-    issues the loads ahead anyway)."""
-    t, s = tile_scores(qt, keys, scales, C)
-    return fold_tile(state, t, s, values, keys[3], seen, sides, live, C, GUARD, False)
-
-
-@jit
-def fold_tile(state, t, s, values, v_rows, seen, sides, live, C: tl.constexpr,
-              GUARD: tl.constexpr, RAW: tl.constexpr):
-    """The online softmax ``state`` = ``(m, l, acc, v_exp)`` with the tile of tokens ``t`` and
-    scores ``s`` (:func:`tile_scores`) folded in. ``values``: the tile's V operand
-    (:func:`value_operand`), its bytes as :func:`load_values` gives them (``RAW``: converted
-    here, after the softmax), or None: read here from ``v_rows``. A guarded tile past the
-    share's end leaves the state as it is (every score is masked)."""
-    R_V: tl.constexpr = C.value_read
-    OPT: tl.constexpr = C.options
-    m_i, l_i, acc, v_exp = state
-    end, last, pos3, window = seen
-    ok = (t < end)[:, :, None]
-    if OPT.varlen:                                              # causal among the queries
-        ok = ok & (t[:, :, None] <= pos3)
-    if OPT.window:
-        ok = ok & (t[:, :, None] > pos3 - window)
-    s = tl.where(ok, s, _NEG_INF)
+    if EDGE != INSIDE or OPT.varlen or OPT.window:   # (a tile inside a share: no mask)
+        t3 = t[:, :, None]
+        ok = tl.full(t3.shape, 1, tl.int1)
+        if EDGE != INSIDE:
+            ok = ok & (t3 < end)
+        if EDGE == PEELED:
+            ok = ok & (t3 >= begin)
+        if OPT.varlen:                                          # causal among the queries
+            ok = ok & (t3 <= pos3)
+        if OPT.window:
+            ok = ok & (t3 > pos3 - window)
+        s = tl.where(ok, s, _NEG_INF)
     m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
     m_use = tl.where(m_new == _NEG_INF, 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
@@ -690,8 +694,6 @@ def fold_tile(state, t, s, values, v_rows, seen, sides, live, C: tl.constexpr,
     l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
     if values is None:
         values = value_operand(load_values(v_rows, sides, live, C, GUARD), C)
-    elif RAW:
-        values = value_operand(values, C)
     v, v_cols = values
     if R_V.columns != COLUMNS_NONE:
         # Probabilities times the tokens' V scales, in units of 2**v_exp: the largest scale
@@ -725,26 +727,6 @@ def fold_tile(state, t, s, values, v_rows, seen, sides, live, C: tl.constexpr,
         acc = tl.dot(v, p.to(v.dtype), acc, input_precision="ieee")
     m_i = m_new
     return m_i, l_i, acc, v_exp
-
-
-@jit
-def carried_step(state, pending, t0, qt, seen, sides, scales, table, C: tl.constexpr):
-    """A step of the token loop with each tile's scores taken one step ahead (``carry``):
-    ``(state, t, s)`` -- the tile at ``t0`` folded into ``state`` with its ``pending`` tokens
-    and scores, and the next tile's scores. The next tile's K conversion and MMAs do not wait
-    on this tile's softmax, so the warp has both to issue from. The last step's next tile is
-    past the share's end: its scores are never folded. The same products in the same order: the same bytes."""
-    T: tl.constexpr = C.tiles
-    TILE: tl.constexpr = T.warps * T.block_n
-    end, last, pos3, window = seen
-    # Past the share's end the next tile reads the share's last token again (just read), not
-    # the next share's tokens.
-    keys = read_keys(t0 + TILE, (end, end - 1, pos3, window), sides, table, True, C, 0)
-    t, s = tile_scores(qt, keys, scales, C)
-    _, _, v_rows = tile_rows(t0, seen, table, True, C, 0)
-    pending_t, pending_s = pending
-    state = fold_tile(state, pending_t, pending_s, None, v_rows, seen, sides, True, C, 0, False)
-    return state, t, s
 
 
 @jit
@@ -879,7 +861,7 @@ def _paged_attention_kernel(
     if R_V.side:
         value_side_ptr += h * VALUE.SCALES.HEAD
     sides = (key_cache_ptr, value_cache_ptr, key_side_ptr, value_side_ptr)
-    seen = (end, last, pos[None, None, :], window)
+    seen = (start, end, last, pos[None, None, :], window)
     # The first tile before the loop (``peel``): the query's MMA operand then has a user outside
     # the loop too, so Triton loads it from shared memory once, here, and keeps it in registers
     # (with one user in the loop it reloads it there every step, and its shared buffer stays
@@ -892,14 +874,18 @@ def _paged_attention_kernel(
     FMT: tl.constexpr = CACHE.FMT
     if T.peel:
         PREFETCH: tl.constexpr = T.prefetch > 0 and OPT.pipelined   # (no asm interpreted)
+        # The share's tiles end at its end: the peeled one takes what a whole number of tiles
+        # leaves over at its start (and tokens before it, masked), so that every tile in the
+        # loop lies inside the share, with no token to clamp or mask.
+        first = end - (tl.maximum(end - start, 0) + TILE - 1) // TILE * TILE
         if PREFETCH:   # the next tiles' block-table entries, requested with the first's
-            ahead = pages_ahead(start if T.carry else start + TILE, seen, table, C)
+            ahead = pages_ahead(first + TILE, seen, table, C)
         live = start < end
-        first_t, first_k_rows, first_v_rows = tile_rows(start, seen, table, live, C, GUARD)
+        first_t, first_k_rows, first_v_rows = tile_rows(first, seen, table, live, C, GUARD,
+                                                        PEELED)
         k_scales = load_scales(sides[0], sides[2], first_k_rows, live, R_K, FMT, GUARD)
-        if not T.carry:   # (carried: the loop's first step reads them)
-            v_scales = load_scales(sides[1], sides[3], first_v_rows, live, R_V, FMT, GUARD)
-            v_codes = load_codes(sides[1], first_v_rows[0], live, R_V, OPT.exact, GUARD)
+        v_scales = load_scales(sides[1], sides[3], first_v_rows, live, R_V, FMT, GUARD)
+        v_codes = load_codes(sides[1], first_v_rows[0], live, R_V, OPT.exact, GUARD)
         k_codes = load_codes(sides[0], first_k_rows[0], live, R_K, OPT.exact, GUARD)
         if PREFETCH:
             prefetch_rows(ahead, sides, C)
@@ -933,35 +919,27 @@ def _paged_attention_kernel(
         v_exp = 0
     state = (m_i, l_i, acc, v_exp)
     scales = (score_scale, OPT.cap)
-    first = start
     if T.peel:
         k, k_cols = tile_operand((k_codes, k_scales[0], k_scales[1]), R_K, FMT, False,
                                  OPT.exact)
         first_keys = (first_t, k, k_cols, first_v_rows)
-        if T.carry:   # its scores only: the loop's first step folds it
-            pending_t, pending_s = tile_scores(qt, first_keys, scales, C)
-        else:
-            first_values = value_operand((v_codes, v_scales[0], v_scales[1]), C)
-            state = attend_tile(state, qt, first_keys, first_values, seen, sides, scales,
-                                start < end, C, GUARD)
-            first = start + TILE
+        first_values = value_operand((v_codes, v_scales[0], v_scales[1]), C)
+        state = attend_tile(state, qt, first_keys, first_values, seen, sides, scales,
+                            start < end, C, GUARD, PEELED)
+        first += TILE
+        EDGE: tl.constexpr = INSIDE
+    else:
+        first = start
+        EDGE: tl.constexpr = PAST_END
     if OPT.pipelined:
         for t0 in tl.range(first, end, TILE, num_stages=T.stages):
-            if T.carry:
-                state, pending_t, pending_s = carried_step(
-                    state, (pending_t, pending_s), t0, qt, seen, sides, scales, table, C)
-            else:
-                keys = read_keys(t0, seen, sides, table, True, C, 0)
-                state = attend_tile(state, qt, keys, None, seen, sides, scales, True, C, 0)
+            keys = read_keys(t0, seen, sides, table, True, C, 0, EDGE)
+            state = attend_tile(state, qt, keys, None, seen, sides, scales, True, C, 0, EDGE)
     else:   # the interpreter takes loop bounds from host scalars only: a while loop there
         t0 = first
         while t0 < end:
-            if T.carry:
-                state, pending_t, pending_s = carried_step(
-                    state, (pending_t, pending_s), t0, qt, seen, sides, scales, table, C)
-            else:
-                keys = read_keys(t0, seen, sides, table, True, C, 0)
-                state = attend_tile(state, qt, keys, None, seen, sides, scales, True, C, 0)
+            keys = read_keys(t0, seen, sides, table, True, C, 0, EDGE)
+            state = attend_tile(state, qt, keys, None, seen, sides, scales, True, C, 0, EDGE)
             t0 += TILE
     m_i, l_i, acc, v_exp = state
 
