@@ -691,7 +691,7 @@ def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.conste
     m_use = tl.where(m_new == _NEG_INF, 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(s - m_use[:, None, :])
-    l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
+    l_i = tl.fma(l_i, alpha[:, None, :], p)   # (per token column: reduced at the end)
     if values is None:
         values = value_operand(load_values(v_rows, sides, live, C, GUARD), C)
     v, v_cols = values
@@ -902,7 +902,7 @@ def _paged_attention_kernel(
     if not OPT.soft_cap:
         score_scale = score_scale * LOG2E
     m_i = tl.full([T.warps, T.block_m], _NEG_INF, tl.float32)
-    l_i = tl.full([T.warps, T.block_m], 0.0, tl.float32)
+    l_i = tl.full([T.warps, T.block_n, T.block_m], 0.0, tl.float32)
     if R_V.kind == READ_NVFP4:   # output columns 4j + c, c = 0..3 (transposed, as every acc)
         acc = (tl.full([T.warps, R_V.block_d // 4, T.block_m], 0.0, tl.float32),
                tl.full([T.warps, R_V.block_d // 4, T.block_m], 0.0, tl.float32),
@@ -942,6 +942,7 @@ def _paged_attention_kernel(
             state = attend_tile(state, qt, keys, None, seen, sides, scales, True, C, 0, EDGE)
             t0 += TILE
     m_i, l_i, acc, v_exp = state
+    l_i = tl.reduce(l_i, 1, _sum_combine)
 
     # Merge the warps' softmax states.
     m_all = tl.reduce(m_i, 0, max_combine)
