@@ -103,6 +103,8 @@ class Tiles(NamedTuple):
     split_cap: int = 1
     min_share: int = 1
     merged: bool = False
+    align_end: bool = False
+    column_sums: bool = False
 
 
 class Options(NamedTuple):
@@ -174,6 +176,11 @@ class Constants(NamedTuple):
 # (bench/NOTES.md, "Ragged batches": one long sequence among short ones 2.9-3.5x faster, but
 # those unused programs cost NVFP4's equal lengths a third at the middle shapes, the prologue
 # 2-10 %); the interpreter's row balances, so that CPU tests run it.
+# ``align_end`` (with ``peel``): a share's tiles end at its end, the peeled tile taking what
+# whole tiles leave over at its start, so that the loop's tiles need no clamp or mask (SPEC
+# 16.2). ``column_sums``: a row's softmax sum kept per token column of the tile and added up
+# once at the share's end, instead of a reduction across the warp's lanes every step. Each
+# takes instructions out of the loop's step, whose count sets NVFP4's time (bench/NOTES.md).
 _ONE_WARP_SPLIT_TO_1024 = dict(warps=1, split_below=1024, target_programs=1024,
                                balance_programs=1024, min_split_tokens=128, pow2_splits=False)
 ATTENTION_SIZES = {
@@ -181,14 +188,14 @@ ATTENTION_SIZES = {
                split_below=512, target_programs=264, min_split_tokens=256, max_splits=64,
                merge_rows=4, merge_warps=4, merge_splits=32, peel=True, prefetch=1, pdl=True,
                fuse_scale=True, pow2_splits=True, balance_seqs=0, balance_programs=264,
-               packed=dict(_ONE_WARP_SPLIT_TO_1024),   # (copies: a sweep changes one of them)
+               align_end=True, column_sums=True, packed=dict(_ONE_WARP_SPLIT_TO_1024),   # (copies: a sweep changes one of them)
                plain=dict(stages=4, split_stages=4),
                blocked=dict(_ONE_WARP_SPLIT_TO_1024)),
     INTERPRET: dict(block_m=16, min_block_m=8, block_n=16, warps=2, stages=1, split_stages=1,
                     split_below=4, target_programs=4, min_split_tokens=16, max_splits=4,
                     merge_rows=16, merge_warps=1, merge_splits=2, peel=True, prefetch=0,
                     pdl=False, fuse_scale=True, pow2_splits=True, balance_seqs=64,
-                    balance_programs=4, packed={}, plain={}, blocked=dict(warps=1)),
+                    balance_programs=4, align_end=True, column_sums=True, packed={}, plain={}, blocked=dict(warps=1)),
 }
 PEELED_READS = (READ_FP8, READ_NVFP4, READ_MXFP8)
 # ``pdl``: the merge launched as a programmatic dependent of the attention grid (it waits for
@@ -579,7 +586,8 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
               sizes["stages" if splits == 1 else "split_stages"], peel,
               sizes["prefetch"] if peel and key_read.columns == COLUMNS_NONE else 0, pdl,
               schedule.block_b, schedule.split_cap,
-              max(sizes["min_split_tokens"], tile), schedule.merged),
+              max(sizes["min_split_tokens"], tile), schedule.merged,
+              peel and sizes["align_end"], sizes["column_sums"]),
         Options(args.varlen, args.sliding_window is not None, args.logits_soft_cap is not None,
                 args.sinks, exact, int(OUT_KIND_OF_DTYPE[args.out_dtype]), backend == CUDA,
                 args.softmax_scale, float(args.logits_soft_cap or 1.0)))

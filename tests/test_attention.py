@@ -307,6 +307,33 @@ def test_nvfp4_calls_read_with_one_warp_per_program(seq_lens, device, monkeypatc
         _attention.clear()
 
 
+@pytest.mark.parametrize("align_end,column_sums", [(False, False), (True, False),
+                                                    (False, True)],
+                         ids=["tiles_from_the_start", "aligned_end_only", "column_sums_only"])
+@pytest.mark.parametrize("cache", ["e4m3", "nvfp4"])
+def test_tile_alignment_and_row_sums_each_way(cache, align_end, column_sums, device,
+                                              monkeypatch):
+    """Both rows take a share's tiles from its end and keep row sums per token column; the
+    other ways (tiles from the share's start, the last one masked; sums reduced every step)
+    stay within the bound, with shares that are not whole tiles (odd lengths, a split)."""
+    sizes = ATTENTION_SIZES[INTERPRET if device == "cpu" else CUDA]
+    monkeypatch.setitem(sizes, "align_end", align_end)
+    monkeypatch.setitem(sizes, "column_sums", column_sums)
+    for row in ("packed", "blocked", "plain"):
+        monkeypatch.setitem(sizes, row, {**sizes[row], "align_end": align_end,
+                                         "column_sums": column_sums})
+    case = AttentionCase(cache=cache, seq_lens=(77, 5, 130), head_dim=64, page_size=8)
+    call, c = call_of(case, device)
+    _attention.clear()
+    try:
+        within_bound(attend(call), c)
+        tiles = next(iter(_attention._READY.values())).plan.attention.constexprs["C"].tiles
+        assert (tiles.align_end, tiles.column_sums) == (align_end, column_sums)
+    finally:
+        monkeypatch.undo()
+        _attention.clear()
+
+
 @requires_cuda
 @pytest.mark.gpu
 def test_gpu_dependent_launch_and_prefetch_change_no_byte(monkeypatch):

@@ -658,6 +658,7 @@ def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.conste
     R_K: tl.constexpr = C.key_read
     R_V: tl.constexpr = C.value_read
     OPT: tl.constexpr = C.options
+    T: tl.constexpr = C.tiles
     m_i, l_i, acc, v_exp = state
     begin, end, last, pos3, window = seen
     score_scale, soft_cap = scales
@@ -691,7 +692,10 @@ def attend_tile(state, qt, keys, values, seen, sides, scales, live, C: tl.conste
     m_use = tl.where(m_new == _NEG_INF, 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(s - m_use[:, None, :])
-    l_i = tl.fma(l_i, alpha[:, None, :], p)   # (per token column: reduced at the end)
+    if T.column_sums:   # per token column (no shuffles a step): added up at the share's end
+        l_i = tl.fma(l_i, alpha[:, None, :], p)
+    else:
+        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
     if values is None:
         values = value_operand(load_values(v_rows, sides, live, C, GUARD), C)
     v, v_cols = values
@@ -874,15 +878,20 @@ def _paged_attention_kernel(
     FMT: tl.constexpr = CACHE.FMT
     if T.peel:
         PREFETCH: tl.constexpr = T.prefetch > 0 and OPT.pipelined   # (no asm interpreted)
-        # The share's tiles end at its end: the peeled one takes what a whole number of tiles
-        # leaves over at its start (and tokens before it, masked), so that every tile in the
-        # loop lies inside the share, with no token to clamp or mask.
-        first = end - (tl.maximum(end - start, 0) + TILE - 1) // TILE * TILE
+        # ``align_end``: the share's tiles end at its end: the peeled one takes what a whole
+        # number of tiles leaves over at its start (and tokens before it, masked), so that every
+        # tile in the loop lies inside the share, with no token to clamp or mask.
+        if T.align_end:
+            first = end - (tl.maximum(end - start, 0) + TILE - 1) // TILE * TILE
+            FIRST_EDGE: tl.constexpr = PEELED
+        else:
+            first = start
+            FIRST_EDGE: tl.constexpr = PAST_END
         if PREFETCH:   # the next tiles' block-table entries, requested with the first's
             ahead = pages_ahead(first + TILE, seen, table, C)
         live = start < end
         first_t, first_k_rows, first_v_rows = tile_rows(first, seen, table, live, C, GUARD,
-                                                        PEELED)
+                                                        FIRST_EDGE)
         k_scales = load_scales(sides[0], sides[2], first_k_rows, live, R_K, FMT, GUARD)
         v_scales = load_scales(sides[1], sides[3], first_v_rows, live, R_V, FMT, GUARD)
         v_codes = load_codes(sides[1], first_v_rows[0], live, R_V, OPT.exact, GUARD)
@@ -902,7 +911,10 @@ def _paged_attention_kernel(
     if not OPT.soft_cap:
         score_scale = score_scale * LOG2E
     m_i = tl.full([T.warps, T.block_m], _NEG_INF, tl.float32)
-    l_i = tl.full([T.warps, T.block_n, T.block_m], 0.0, tl.float32)
+    if T.column_sums:
+        l_i = tl.full([T.warps, T.block_n, T.block_m], 0.0, tl.float32)
+    else:
+        l_i = tl.full([T.warps, T.block_m], 0.0, tl.float32)
     if R_V.kind == READ_NVFP4:   # output columns 4j + c, c = 0..3 (transposed, as every acc)
         acc = (tl.full([T.warps, R_V.block_d // 4, T.block_m], 0.0, tl.float32),
                tl.full([T.warps, R_V.block_d // 4, T.block_m], 0.0, tl.float32),
@@ -925,9 +937,9 @@ def _paged_attention_kernel(
         first_keys = (first_t, k, k_cols, first_v_rows)
         first_values = value_operand((v_codes, v_scales[0], v_scales[1]), C)
         state = attend_tile(state, qt, first_keys, first_values, seen, sides, scales,
-                            start < end, C, GUARD, PEELED)
+                            start < end, C, GUARD, FIRST_EDGE)
         first += TILE
-        EDGE: tl.constexpr = INSIDE
+        EDGE: tl.constexpr = INSIDE if T.align_end else PAST_END
     else:
         first = start
         EDGE: tl.constexpr = PAST_END
@@ -942,7 +954,8 @@ def _paged_attention_kernel(
             state = attend_tile(state, qt, keys, None, seen, sides, scales, True, C, 0, EDGE)
             t0 += TILE
     m_i, l_i, acc, v_exp = state
-    l_i = tl.reduce(l_i, 1, _sum_combine)
+    if T.column_sums:
+        l_i = tl.reduce(l_i, 1, _sum_combine)
 
     # Merge the warps' softmax states.
     m_all = tl.reduce(m_i, 0, max_combine)
