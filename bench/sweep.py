@@ -129,21 +129,24 @@ def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
 
 
 # Attention: overrides of the CUDA row of ``ATTENTION_SIZES``, read by every format (the row's
-# ``packed`` and ``plain`` overrides set aside); the first is the row with its overrides. bf16
-# caches pipelined as deeply as the others (twice the shared memory: one program per SM less)
-# and less deeply. Kept short: every candidate is a compile of its own (bench/NOTES.md has the
-# earlier candidates' numbers).
+# ``packed`` and ``plain`` overrides set aside unless a candidate names them); the first is the
+# row with its overrides. The open question: the loop's tiles ending at the share's end and
+# the row sums per token column, each and both (the middle shapes faster, 256 x 1,024 slower
+# in one H200 lease). Kept short: every candidate is a compile of its own (bench/NOTES.md has
+# the earlier candidates' numbers).
 _ROW = attention.ATTENTION_SIZES[attention.CUDA]
+_AS_IS = {"packed": _ROW["packed"], "plain": _ROW["plain"]}
 ATTENTION_CANDIDATES = (
-    {"packed": _ROW["packed"], "plain": _ROW["plain"]}, dict(plain={}),
-    dict(plain=dict(stages=3, split_stages=3)),
+    _AS_IS, dict(_AS_IS, align_end=True), dict(_AS_IS, column_sums=True),
+    dict(_AS_IS, align_end=True, column_sums=True),
 )
 ATTENTION_SWEEP_FORMATS = ("e4m3", "e4m3 token-head", "nvfp4", "bf16")
 ATTENTION_SWEEP_SHAPES = ((1, 8192), (8, 4096), (32, 4096), (64, 2048), (256, 1024))
 _LABEL_KEYS = (("n", "block_n"), ("w", "warps"), ("s", "stages"), ("ss", "split_stages"),
                ("b", "split_below"), ("t", "target_programs"), ("m", "min_split_tokens"),
                ("r", "merge_rows"), ("p", "peel"), ("pf", "prefetch"), ("g", "pdl"),
-               ("f", "fuse_scale"), ("x", "pow2_splits"))
+               ("f", "fuse_scale"), ("x", "pow2_splits"), ("ae", "align_end"),
+               ("cs", "column_sums"))
 
 
 def attention_candidate_label(overrides: dict) -> str:
@@ -168,10 +171,12 @@ def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
                   "rows per merge program, `p1` the first tile peeled off the loop (FP8 / NVFP4 "
                   "keys), `pf` the tiles after it prefetched into L2, `g1` the merge launched "
                   "as a dependent, `f1` NVFP4 block scales applied in the unpacking asm, `x1` "
-                  "split counts rounded up to powers of two) per "
+                  "split counts rounded up to powers of two, `ae1` the loop's tiles ending "
+                  "at the share's end, `cs1` row sums per token column) per "
                   "shape and cache format; the first candidate is the table's row. NVFP4 and "
                   "bf16 read with each candidate's own stages (the row's `packed` and `plain` "
-                  "overrides set aside but in the first) unless the label says `nvfp4 stages` "
+                  "overrides set aside where a candidate does not name them) unless the label "
+                  "says `nvfp4 stages` "
                   "/ `bf16 stages`.",
                   plot="bars")
     shapes = ATTENTION_SWEEP_SHAPES
