@@ -88,7 +88,9 @@ class Tiles(NamedTuple):
     it asked of L2, ``pdl`` the merge launched as a dependent (see ``ATTENTION_SIZES``).
     ``block_b`` > 0: the shares are balanced on the device over ``seq_lens`` (read as a block
     of ``block_b``), at most ``split_cap`` per sequence, each at least ``min_share`` tokens;
-    ``merged``: some row tile may be split (partials and the merge kernel)."""
+    ``merged``: some row tile may be split (partials and the merge kernel). ``align_end``: a
+    share's tiles end at its end (the peeled one takes the remainder); ``column_sums``: row
+    sums kept per token column (see ``ATTENTION_SIZES``)."""
 
     block_m: int
     block_n: int
@@ -191,14 +193,16 @@ ATTENTION_SIZES = {
                split_below=512, target_programs=264, min_split_tokens=256, max_splits=64,
                merge_rows=4, merge_warps=4, merge_splits=32, peel=True, prefetch=1, pdl=True,
                fuse_scale=True, pow2_splits=True, balance_seqs=0, balance_programs=264,
-               align_end=False, column_sums=False, packed=dict(_ONE_WARP_SPLIT_TO_1024),   # (copies: a sweep changes one of them)
+               align_end=False, column_sums=False,
+               packed=dict(_ONE_WARP_SPLIT_TO_1024),   # (copies: a sweep changes one of them)
                plain=dict(stages=4, split_stages=4),
                blocked=dict(_ONE_WARP_SPLIT_TO_1024)),
     INTERPRET: dict(block_m=16, min_block_m=8, block_n=16, warps=2, stages=1, split_stages=1,
                     split_below=4, target_programs=4, min_split_tokens=16, max_splits=4,
                     merge_rows=16, merge_warps=1, merge_splits=2, peel=True, prefetch=0,
                     pdl=False, fuse_scale=True, pow2_splits=True, balance_seqs=64,
-                    balance_programs=4, align_end=True, column_sums=True, packed={}, plain={}, blocked=dict(warps=1)),
+                    balance_programs=4, align_end=True, column_sums=True, packed={}, plain={},
+                    blocked=dict(warps=1)),
 }
 PEELED_READS = (READ_FP8, READ_NVFP4, READ_MXFP8)
 # ``pdl``: the merge launched as a programmatic dependent of the attention grid (it waits for

@@ -542,12 +542,12 @@ def tile_rows(t0, seen, table, live, C: tl.constexpr, GUARD: tl.constexpr,
     w = tl.arange(0, T.warps)
     n = tl.arange(0, T.block_n)
     t = t0 + w[:, None] * T.block_n + n[None, :]                 # [W, BLOCK_N]
-    tc = t   # (never negative: unsigned division is cheaper)
+    tc = t
     if EDGE == PEELED:
         tc = tl.maximum(tc, begin)
     if EDGE != INSIDE:
         tc = tl.minimum(tc, last)
-    tc = tc.to(tl.uint32)
+    tc = tc.to(tl.uint32)   # (never negative: unsigned division is cheaper)
     page = _load(table + (tc // G.page_size).to(tl.int32) * G.stride_table_page, None, None,
                  live, GUARD).to(tl.int64)
     slot = (tc % G.page_size).to(tl.int32)
