@@ -131,14 +131,16 @@ def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
 # Attention: overrides of the CUDA row of ``ATTENTION_SIZES``, read by every format (the row's
 # ``packed`` and ``plain`` overrides set aside unless a candidate names them); the first is the
 # row with its overrides. The open question: the loop's tiles ending at the share's end and
-# the row sums per token column, each and both (the middle shapes faster, 256 x 1,024 slower
-# in one H200 lease). Kept short: every candidate is a compile of its own (bench/NOTES.md has
-# the earlier candidates' numbers).
+# the row sums per token column (the row: NVFP4's split calls only), against neither and
+# both everywhere. Kept short: every candidate is a compile of its own (bench/NOTES.md has the
+# earlier candidates' numbers).
 _ROW = attention.ATTENTION_SIZES[attention.CUDA]
 _AS_IS = {"packed": _ROW["packed"], "plain": _ROW["plain"]}
+_CUTS = dict(align_end=True, column_sums=True, split_align_end=True, split_column_sums=True)
+_NO_CUTS = {key: False for key in _CUTS}
 ATTENTION_CANDIDATES = (
-    _AS_IS, dict(_AS_IS, align_end=True), dict(_AS_IS, column_sums=True),
-    dict(_AS_IS, align_end=True, column_sums=True),
+    _AS_IS, dict(_AS_IS, packed={**_ROW["packed"], **_NO_CUTS}, **_NO_CUTS),
+    dict(_AS_IS, packed={**_ROW["packed"], **_CUTS}, **_CUTS),
 )
 ATTENTION_SWEEP_FORMATS = ("e4m3", "e4m3 token-head", "nvfp4", "bf16")
 ATTENTION_SWEEP_SHAPES = ((1, 8192), (8, 4096), (32, 4096), (64, 2048), (256, 1024))
@@ -146,7 +148,7 @@ _LABEL_KEYS = (("n", "block_n"), ("w", "warps"), ("s", "stages"), ("ss", "split_
                ("b", "split_below"), ("t", "target_programs"), ("m", "min_split_tokens"),
                ("r", "merge_rows"), ("p", "peel"), ("pf", "prefetch"), ("g", "pdl"),
                ("f", "fuse_scale"), ("x", "pow2_splits"), ("ae", "align_end"),
-               ("cs", "column_sums"))
+               ("cs", "column_sums"), ("sae", "split_align_end"), ("scs", "split_column_sums"))
 
 
 def attention_candidate_label(overrides: dict) -> str:
@@ -172,7 +174,8 @@ def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
                   "keys), `pf` the tiles after it prefetched into L2, `g1` the merge launched "
                   "as a dependent, `f1` NVFP4 block scales applied in the unpacking asm, `x1` "
                   "split counts rounded up to powers of two, `ae1` the loop's tiles ending "
-                  "at the share's end, `cs1` row sums per token column) per "
+                  "at the share's end, `cs1` row sums per token column, `sae` / `scs` the "
+                  "same for split calls) per "
                   "shape and cache format; the first candidate is the table's row. NVFP4 and "
                   "bf16 read with each candidate's own stages (the row's `packed` and `plain` "
                   "overrides set aside where a candidate does not name them) unless the label "

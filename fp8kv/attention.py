@@ -182,10 +182,11 @@ class Constants(NamedTuple):
 # whole tiles leave over at its start, so that the loop's tiles need no clamp or mask (SPEC
 # 16.2). ``column_sums``: a row's softmax sum kept per token column of the tile and added up
 # once at the share's end, instead of a reduction across the warp's lanes every step. Each
-# takes instructions out of the loop's step, whose count sets NVFP4's time: on the H200 the
-# two made NVFP4's middle shapes 1.5-2 % faster but 256 x 1,024 9 % slower, not yet
-# explained, so the CUDA row keeps both off for now (bench/NOTES.md); the interpreter's row
-# takes both, so that CPU tests run them.
+# takes instructions out of the loop's step, whose count sets NVFP4's time; ``split_*`` are
+# the same for split calls (``stages`` / ``split_stages`` alike). On the H200 the two made
+# NVFP4's split shapes faster but its unsplit 256 x 1,024 slower, and FP8 gained nothing
+# (bench/NOTES.md): the CUDA row takes them for NVFP4's split calls only; the interpreter's
+# row takes both everywhere, so that CPU tests run them.
 _ONE_WARP_SPLIT_TO_1024 = dict(warps=1, split_below=1024, target_programs=1024,
                                balance_programs=1024, min_split_tokens=128, pow2_splits=False)
 ATTENTION_SIZES = {
@@ -193,15 +194,18 @@ ATTENTION_SIZES = {
                split_below=512, target_programs=264, min_split_tokens=256, max_splits=64,
                merge_rows=4, merge_warps=4, merge_splits=32, peel=True, prefetch=1, pdl=True,
                fuse_scale=True, pow2_splits=True, balance_seqs=0, balance_programs=264,
-               align_end=False, column_sums=False,
-               packed=dict(_ONE_WARP_SPLIT_TO_1024),   # (copies: a sweep changes one of them)
+               align_end=False, column_sums=False, split_align_end=False,
+               split_column_sums=False,
+               packed=dict(_ONE_WARP_SPLIT_TO_1024, split_align_end=True,
+                           split_column_sums=True),   # (copies: a sweep changes one of them)
                plain=dict(stages=4, split_stages=4),
                blocked=dict(_ONE_WARP_SPLIT_TO_1024)),
     INTERPRET: dict(block_m=16, min_block_m=8, block_n=16, warps=2, stages=1, split_stages=1,
                     split_below=4, target_programs=4, min_split_tokens=16, max_splits=4,
                     merge_rows=16, merge_warps=1, merge_splits=2, peel=True, prefetch=0,
                     pdl=False, fuse_scale=True, pow2_splits=True, balance_seqs=64,
-                    balance_programs=4, align_end=True, column_sums=True, packed={}, plain={},
+                    balance_programs=4, align_end=True, column_sums=True,
+                    split_align_end=True, split_column_sums=True, packed={}, plain={},
                     blocked=dict(warps=1)),
 }
 PEELED_READS = (READ_FP8, READ_NVFP4, READ_MXFP8)
@@ -579,6 +583,7 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
     tile = warps * sizes["block_n"]
     max_context = args.block_table.shape[1] * kc.page_size
     splits = splits_for(seqs * heads, max_context, tile, sizes)
+    split = "" if splits == 1 else "split_"
     schedule = _schedule(seqs, heads, splits, sizes)
     query = args.query
     key_read = _reading(args, args.key_scale, d, sizes)
@@ -590,11 +595,11 @@ def plan_attention(args: AttentionArgs, backend: str, exact: bool | None = None)
         Geometry(args.num_heads, args.num_kv_heads, group, d, kc.page_size,
                  args.block_table.strides[1]),
         Tiles(block_m, sizes["block_n"], warps, splits, m_tiles,
-              sizes["stages" if splits == 1 else "split_stages"], peel,
+              sizes[split + "stages"], peel,
               sizes["prefetch"] if peel and key_read.columns == COLUMNS_NONE else 0, pdl,
               schedule.block_b, schedule.split_cap,
               max(sizes["min_split_tokens"], tile), schedule.merged,
-              peel and sizes["align_end"], sizes["column_sums"]),
+              peel and sizes[split + "align_end"], sizes[split + "column_sums"]),
         Options(args.varlen, args.sliding_window is not None, args.logits_soft_cap is not None,
                 args.sinks, exact, int(OUT_KIND_OF_DTYPE[args.out_dtype]), backend == CUDA,
                 args.softmax_scale, float(args.logits_soft_cap or 1.0)))

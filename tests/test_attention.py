@@ -317,10 +317,12 @@ def test_tile_alignment_and_row_sums_each_way(cache, align_end, column_sums, dev
     """Tiles from a share's start (its last one masked) or ending at its end (the peeled one
     masked before the share), row sums reduced every step or kept per token column: each way
     stays within the bound, with shares that are not whole tiles (odd lengths, a split). (The
-    interpreter's row takes both new ways, the CUDA row neither, for now.)"""
-    sizes = ATTENTION_SIZES[INTERPRET if device == "cpu" else CUDA]
-    monkeypatch.setitem(sizes, "align_end", align_end)
-    monkeypatch.setitem(sizes, "column_sums", column_sums)   # (no format row overrides them)
+    interpreter's row takes both new ways, the CUDA row them for NVFP4's split calls.)"""
+    row = ATTENTION_SIZES[INTERPRET if device == "cpu" else CUDA]
+    for sizes in (row, row["packed"]):   # (the format overrides that may name them)
+        for split in ("", "split_"):
+            monkeypatch.setitem(sizes, split + "align_end", align_end)
+            monkeypatch.setitem(sizes, split + "column_sums", column_sums)
     case = AttentionCase(cache=cache, seq_lens=(77, 5, 130), head_dim=64, page_size=8)
     call, c = call_of(case, device)
     _attention.clear()
