@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-_INTERPRETED: dict[int, object] = {}
+_INTERPRETED: dict[int, tuple] = {}
 
 
 def _jit(fn, interpret: bool, do_not_specialize=(), noinline=False):
@@ -38,13 +38,15 @@ def jit(fn=None, *, do_not_specialize=(), noinline=False):
 
 def interpreted(jit_fn: triton.JITFunction):
     """The interpreter twin of a function made by :func:`jit` (memoized)."""
-    twin = _INTERPRETED.get(id(jit_fn))
-    if twin is None:
+    # Keyed by id, the function kept alive beside its twin: were it freed (a test's local
+    # kernel), a new function at the same address would be handed its twin.
+    known, twin = _INTERPRETED.get(id(jit_fn), (None, None))
+    if known is not jit_fn:
         fn = jit_fn.fn
         scope = dict(fn.__globals__)
         clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
         twin = _jit(clone, True)
-        _INTERPRETED[id(jit_fn)] = twin
+        _INTERPRETED[id(jit_fn)] = (jit_fn, twin)
         # Rebind helpers after registering, so mutually-referencing helpers terminate. Constexpr
         # globals become their plain values: the interpreter runs the body as Python, where
         # `1 << MAN_BITS` needs an int (tl.constexpr has no reflected shift or bitwise operators).
