@@ -132,8 +132,8 @@ def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
 # ``packed`` and ``plain`` overrides set aside unless a candidate names them); the first is the
 # row with its overrides. The open question: the loop's tiles ending at the share's end and
 # the row sums per token column, for NVFP4's split calls only and everywhere (the middle
-# shapes faster, 256 x 1,024 slower in one H200 lease). Kept short: every candidate is a compile of its own (bench/NOTES.md has the
-# earlier candidates' numbers).
+# shapes faster, 256 x 1,024 slower in one H200 lease). Kept short: every candidate is a
+# compile of its own (bench/NOTES.md has the earlier candidates' numbers).
 _ROW = attention.ATTENTION_SIZES[attention.CUDA]
 _AS_IS = {"packed": _ROW["packed"], "plain": _ROW["plain"]}
 _CUTS = dict(align_end=True, column_sums=True, split_align_end=True, split_column_sums=True)
