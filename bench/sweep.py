@@ -136,11 +136,10 @@ def _exact_vs_fast(device, cfg: Config, timer: Timer, mode: str) -> Table:
 # compile of its own (bench/NOTES.md has the earlier candidates' numbers).
 _ROW = attention.ATTENTION_SIZES[attention.CUDA]
 _AS_IS = {"packed": _ROW["packed"], "plain": _ROW["plain"]}
-_CUTS = dict(align_end=True, column_sums=True, split_align_end=True, split_column_sums=True)
-_NO_CUTS = {key: False for key in _CUTS}
+_SPLIT_CUTS = dict(split_align_end=True, split_column_sums=True)
+_CUTS = dict(_SPLIT_CUTS, align_end=True, column_sums=True)
 ATTENTION_CANDIDATES = (
-    _AS_IS, dict(_AS_IS, packed={**_ROW["packed"], **_NO_CUTS, "split_align_end": True,
-                                 "split_column_sums": True}, **_NO_CUTS),
+    _AS_IS, dict(_AS_IS, packed={**_ROW["packed"], **_SPLIT_CUTS}),
     dict(_AS_IS, packed={**_ROW["packed"], **_CUTS}, **_CUTS),
 )
 ATTENTION_SWEEP_FORMATS = ("e4m3", "e4m3 token-head", "nvfp4", "bf16")
@@ -180,8 +179,7 @@ def attention_sweep_tables(device, cfg: Config, timer: Timer, copy_gbps: float):
                   "shape and cache format; the first candidate is the table's row. NVFP4 and "
                   "bf16 read with each candidate's own stages (the row's `packed` and `plain` "
                   "overrides set aside where a candidate does not name them) unless the label "
-                  "says `nvfp4 stages` "
-                  "/ `bf16 stages`.",
+                  "says `nvfp4 stages` / `bf16 stages`.",
                   plot="bars")
     shapes = ATTENTION_SWEEP_SHAPES
     cases = {}
