@@ -185,9 +185,9 @@ class Constants(NamedTuple):
 # takes instructions out of the loop's step, whose count sets NVFP4's time; ``split_*`` are
 # the same for split calls (``stages`` / ``split_stages`` alike). On the H200 the two made
 # NVFP4's split shapes 1.5-2 % faster but its unsplit 256 x 1,024 9 % slower, and FP8 gained
-# nothing (bench/NOTES.md). NVFP4's split calls alone taking them is the next candidate, not
-# yet run on a GPU: the CUDA row keeps all four off for now; the interpreter's row takes
-# both everywhere, so that CPU tests run them.
+# nothing (bench/NOTES.md): the CUDA row gives them to NVFP4's split calls alone (``packed``;
+# an H100 read each split shape 0.4-0.7 % faster so); the interpreter's row takes both
+# everywhere, so that CPU tests run them.
 _ONE_WARP_SPLIT_TO_1024 = dict(warps=1, split_below=1024, target_programs=1024,
                                balance_programs=1024, min_split_tokens=128, pow2_splits=False)
 ATTENTION_SIZES = {
@@ -197,7 +197,7 @@ ATTENTION_SIZES = {
                fuse_scale=True, pow2_splits=True, balance_seqs=0, balance_programs=264,
                align_end=False, column_sums=False, split_align_end=False,
                split_column_sums=False,
-               packed=dict(_ONE_WARP_SPLIT_TO_1024),   # (copies: a sweep changes one of them)
+               packed=dict(_ONE_WARP_SPLIT_TO_1024, split_align_end=True, split_column_sums=True),
                plain=dict(stages=4, split_stages=4),
                blocked=dict(_ONE_WARP_SPLIT_TO_1024)),
     INTERPRET: dict(block_m=16, min_block_m=8, block_n=16, warps=2, stages=1, split_stages=1,

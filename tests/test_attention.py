@@ -317,7 +317,7 @@ def test_tile_alignment_and_row_sums_each_way(cache, align_end, column_sums, dev
     """Tiles from a share's start (its last one masked) or ending at its end (the peeled one
     masked before the share), row sums reduced every step or kept per token column: each way
     stays within the bound, with shares that are not whole tiles (odd lengths, a split). (The
-    interpreter's row takes both new ways, the CUDA row neither, for now.)"""
+    interpreter's row takes both new ways, the CUDA row both for NVFP4's split calls alone.)"""
     row = ATTENTION_SIZES[INTERPRET if device == "cpu" else CUDA]
     for sizes in (row, row["packed"]):   # (the format overrides that may name them)
         for split in ("", "split_"):
