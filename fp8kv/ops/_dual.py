@@ -38,8 +38,9 @@ def jit(fn=None, *, do_not_specialize=(), noinline=False):
 
 def interpreted(jit_fn: triton.JITFunction):
     """The interpreter twin of a function made by :func:`jit` (memoized)."""
-    # Keyed by id, the function kept alive beside its twin: were it freed (a test's local
-    # kernel), a new function at the same address would be handed its twin.
+    # Keyed by id (a JITFunction hashes by its cache key, which walks its callees), the function
+    # kept alive beside its twin: were it freed (a test's local kernel), a new function at the
+    # same address would be handed its twin.
     known, twin = _INTERPRETED.get(id(jit_fn), (None, None))
     if known is not jit_fn:
         fn = jit_fn.fn
