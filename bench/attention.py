@@ -248,13 +248,15 @@ def table_attention_jax(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: boo
                 compile_s[name].append(time.perf_counter() - start)
                 compiled[name] = [lambda q, call=call, a=step_arrays: call(q, a), arrays["query"]]
             for name, phases in traced_phases(jax, compiled, cfg.jax_calls).items():
-                table.add(size, batch * context, name, "device", phases["device"],
-                          steps[name][2])
+                for mode in ("device", "kernels"):
+                    table.add(size, batch * context, name, mode, phases[mode], steps[name][2])
             del compiled
         del arrays, steps
     table.note("Pallas e4m3 bytes include its fp32 scale pages (4 bytes per token and head, "
                "K and V). `device`: first kernel start -> last kernel end of a synced call "
-               "(jax.profiler trace, median), comparable to torch's graph replay.")
+               "(jax.profiler trace, median), comparable to torch's graph replay; `kernels`: "
+               "the same calls' kernel durations added up (`device` less the gaps between "
+               "a call's kernels, which the host's launches may leave).")
     if compile_s:
         table.note("Compile time of one jitted call (s, per shape): " + "; ".join(
             f"{name} " + " / ".join(f"{x:.1f}" for x in xs) for name, xs in compile_s.items()))

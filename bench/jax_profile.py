@@ -7,7 +7,8 @@ trace (``*.trace.json.gz``, host and GPU events on one clock) gives per call:
   dispatch, XLA's thunks, the launch and its latency);
 * ``device``: first kernel start -> last kernel end;
 * ``return``: last kernel end -> ``block_until_ready`` returns (how soon the host learns);
-* ``call``: the whole call.
+* ``call``: the whole call;
+* ``kernels``: the kernels' own durations added up (``device`` less the gaps between them).
 
 Medians over the calls. Tracing slows host work (each traced function records itself), so the
 phases are read side by side, provider against provider, not as absolute costs.
@@ -50,8 +51,8 @@ def trace_events(jax, steps: dict, calls: int) -> list:
 
 
 def traced_phases(jax, steps: dict, calls: int) -> dict:
-    """``jax.profiler`` trace of ``calls`` synced calls of each step; provider -> phase ->
-    median us."""
+    """``jax.profiler`` trace of ``calls`` synced calls of each step; provider -> phase (and
+    ``kernels``) -> median us."""
     return _phases(trace_events(jax, steps, calls), list(steps))
 
 
@@ -63,14 +64,16 @@ def _phases(events: list, names: list) -> dict:
     kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["pid"] in devices)
     result = {}
     for name in names:
-        phases = {p: [] for p in PHASES}
+        phases = {p: [] for p in (*PHASES, "kernels")}
         for call in (e for e in spans if e["name"].startswith(f"fp8kv-bench:{name}:")):
             start, end = call["ts"], call["ts"] + call["dur"]
             inside = [k for k in kernels if start <= k[0] and k[1] <= end]
             if not inside:
                 continue
             first, last = inside[0][0], max(k[1] for k in inside)
-            for phase, us in zip(PHASES, (first - start, last - first, end - last, end - start)):
+            busy = sum(k[1] - k[0] for k in inside)
+            for phase, us in zip((*PHASES, "kernels"), (first - start, last - first, end - last,
+                                                        end - start, busy)):
                 phases[phase].append(us)
         if phases["call"]:
             result[name] = {p: statistics.median(v) for p, v in phases.items()}
@@ -113,6 +116,6 @@ def table_jax_call_phases(jax, fp8kv_jax, cfg: Config, copy_gbps: float, cuda: b
         steps["xla x*2+1 + empty jax-triton"] = [
             both, (jnp.zeros(big * HEADS * HEAD_DIM, jnp.bfloat16), jnp.zeros(16, jnp.float32))]
     for name, phases in traced_phases(jax, steps, cfg.jax_calls).items():
-        for phase, us in phases.items():
-            table.add(name, 0, phase, "traced", us, 0)
+        for phase in PHASES:
+            table.add(name, 0, phase, "traced", phases[phase], 0)
     return table

@@ -87,6 +87,23 @@ def test_cpu_tables_name_no_gpu_mode(name):
         assert not re.search(r"graph|replay", text, re.I), (table.key, text)
 
 
+
+def test_traced_phases_split_a_call_into_its_span_and_its_kernels():
+    """A traced call of two kernels with a gap between them: ``device`` spans both, ``kernels``
+    adds up their durations; the host's own spans and other calls' kernels count for neither."""
+    from bench.jax_profile import _phases
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
+    spans = [("fp8kv-bench:ours:0", 1, 0.0, 100.0), ("thunk", 1, 5.0, 3.0),
+             ("attention", 2, 20.0, 28.0), ("merge", 2, 52.0, 2.0), ("later", 2, 120.0, 9.0)]
+    events = meta + [{"ph": "X", "name": n, "pid": p, "ts": ts, "dur": dur}
+                     for n, p, ts, dur in spans]
+    phases = _phases(events, ["ours"])["ours"]
+    assert phases == {"dispatch": 20.0, "device": 34.0, "return": 46.0, "call": 100.0,
+                      "kernels": 30.0}
+
+
 def _stand_in_run(monkeypatch, capsys, tmp_path, *args):
     """``bench.__main__.main`` over two stand-in entries (a table and a section)."""
     pytest.importorskip("torch")
