@@ -27,6 +27,7 @@ from .results import Table, tokens_case
 from .write_torch import HEAD_DIM, HEADS, PAGE_SIZE
 
 PHASES = ("dispatch", "device", "return", "call")
+MEASURES = (*PHASES, "kernels")   # what traced_phases gives per provider
 GiB = 1 << 30
 
 
@@ -64,7 +65,7 @@ def _phases(events: list, names: list) -> dict:
     kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["pid"] in devices)
     result = {}
     for name in names:
-        phases = {p: [] for p in (*PHASES, "kernels")}
+        phases = {p: [] for p in MEASURES}
         for call in (e for e in spans if e["name"].startswith(f"fp8kv-bench:{name}:")):
             start, end = call["ts"], call["ts"] + call["dur"]
             inside = [k for k in kernels if start <= k[0] and k[1] <= end]
@@ -72,8 +73,8 @@ def _phases(events: list, names: list) -> dict:
                 continue
             first, last = inside[0][0], max(k[1] for k in inside)
             busy = sum(k[1] - k[0] for k in inside)
-            for phase, us in zip((*PHASES, "kernels"), (first - start, last - first, end - last,
-                                                        end - start, busy)):
+            for phase, us in zip(MEASURES, (first - start, last - first, end - last, end - start,
+                                            busy)):
                 phases[phase].append(us)
         if phases["call"]:
             result[name] = {p: statistics.median(v) for p, v in phases.items()}

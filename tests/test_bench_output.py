@@ -87,7 +87,6 @@ def test_cpu_tables_name_no_gpu_mode(name):
         assert not re.search(r"graph|replay", text, re.I), (table.key, text)
 
 
-
 def test_traced_phases_split_a_call_into_its_span_and_its_kernels():
     """A traced call of two kernels with a gap between them: ``device`` spans both, ``kernels``
     adds up their durations; the host's own spans and other calls' kernels count for neither."""
