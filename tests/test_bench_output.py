@@ -90,6 +90,7 @@ def test_cpu_tables_name_no_gpu_mode(name):
 def test_traced_phases_split_a_call_into_its_span_and_its_kernels():
     """A traced call of two kernels with a gap between them: ``device`` spans both, ``kernels``
     adds up their durations; the host's own spans and other calls' kernels count for neither."""
+    pytest.importorskip("torch")   # the bench's modules import it (the jax leg has none)
     from bench.jax_profile import _phases
 
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
